@@ -1,0 +1,234 @@
+"""Multi-head attention, §3.2.2, with a batched and a per-head compute mode.
+
+    MultiHead(Q, K, V) = Concat(head_1, ..., head_h) W^O
+    head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V)
+
+Shape legend: batch, len_q / len_k (query / key positions), d_model,
+num_heads, depth = d_model // num_heads (the paper's d_k = d_v).
+
+Weights (the checkpoint format; same order and shapes as
+`keras.layers.MultiHeadAttention(num_heads, key_dim=depth)`):
+    query_kernel (d_model, num_heads, depth)   query_bias (num_heads, depth)
+    key_kernel   (d_model, num_heads, depth)   key_bias   (num_heads, depth)
+    value_kernel (d_model, num_heads, depth)   value_bias (num_heads, depth)
+    output_kernel (num_heads, depth, d_model)  output_bias (d_model,)
+
+`W_i^Q` of the paper is `query_kernel[:, i, :]`.
+"""
+
+import keras
+from keras import ops
+
+from keras_transformer.attention import scaled_dot_product_attention
+from keras_transformer.validation import check_choice, check_positive_int, check_rate, register
+
+ATTENTION_MODES = ("batched", "per_head")
+
+
+@register
+class MultiHeadAttention(keras.layers.Layer):
+    """Multi-head attention (§3.2.2) over one set of weights, in two modes.
+
+    `mode="batched"` projects all heads with one matrix product per projection
+    and attends with one batched product; `mode="per_head"` loops over the heads
+    and computes each `head_i` from kernel slices, literally as the paper writes
+    it. The modes share the variables, so a model trained in one runs in the
+    other; `mode` can be changed on a built layer.
+
+    Args:
+        num_heads: number of heads h.
+        d_model: model width; must be divisible by `num_heads`.
+        dropout_rate: dropout on the attention weights (0 in the paper, which
+            only drops sublayer outputs; see `EncoderLayer`).
+        mode: `"batched"` or `"per_head"`.
+        use_bias: add biases to the four projections (as Keras does).
+        kernel_initializer: initializer of the projection matrices, applied as
+            to a `(d_model, d_model)` matrix (so Glorot sees the true fans).
+        bias_initializer: initializer of the biases.
+
+    Call arguments:
+        query: `(batch, len_q, d_model)`.
+        value: `(batch, len_k, d_model)`.
+        key: `(batch, len_k, d_model)`; defaults to `value`.
+        attention_mask: bool `(batch, len_q, len_k)` or broadcastable,
+            True = may attend (see `keras_transformer.masks`).
+        training: enables attention dropout.
+
+    Returns:
+        `(batch, len_q, d_model)`. `call_with_weights` also returns the
+        attention weights `(batch, num_heads, len_q, len_k)` in float32.
+
+    Example:
+    >>> import numpy as np
+    >>> mha = MultiHeadAttention(num_heads=2, d_model=8)
+    >>> mha(np.ones((1, 3, 8), "float32"), np.ones((1, 5, 8), "float32")).shape
+    TensorShape([1, 3, 8])
+    """
+
+    def __init__(
+        self,
+        num_heads,
+        d_model,
+        dropout_rate=0.0,
+        mode="batched",
+        use_bias=True,
+        kernel_initializer="glorot_uniform",
+        bias_initializer="zeros",
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        check_positive_int("num_heads", num_heads)
+        check_positive_int("d_model", d_model)
+        if d_model % num_heads:
+            raise ValueError(
+                f"d_model={d_model} must be divisible by num_heads={num_heads} "
+                f"(each head gets d_model // num_heads dimensions); allowed "
+                f"num_heads for d_model={d_model}: "
+                f"{[h for h in range(1, min(d_model, 64) + 1) if d_model % h == 0]}."
+            )
+        check_rate("dropout_rate", dropout_rate)
+        self.num_heads = num_heads
+        self.d_model = d_model
+        self.depth = d_model // num_heads
+        self.dropout_rate = dropout_rate
+        self.mode = mode
+        self.use_bias = use_bias
+        self.kernel_initializer = keras.initializers.get(kernel_initializer)
+        self.bias_initializer = keras.initializers.get(bias_initializer)
+        self.attention_dropout = keras.layers.Dropout(
+            dropout_rate, dtype=self.dtype_policy, name="attention_dropout"
+        )
+
+    @property
+    def mode(self):
+        return self._mode
+
+    @mode.setter
+    def mode(self, value):
+        check_choice("mode", value, ATTENTION_MODES)
+        self._mode = value
+
+    def build(self, query_shape, value_shape=None, key_shape=None):
+        for name, shape in (("query", query_shape), ("value", value_shape), ("key", key_shape)):
+            if shape is not None and shape[-1] is not None and shape[-1] != self.d_model:
+                raise ValueError(
+                    f"MultiHeadAttention({self.name}) expects {name} with last "
+                    f"dimension d_model={self.d_model}, got shape {tuple(shape)}."
+                )
+        heads_shape = (self.d_model, self.num_heads, self.depth)
+        for projection in ("query", "key", "value"):
+            setattr(self, f"{projection}_kernel", self._add_kernel(f"{projection}_kernel", heads_shape))
+            setattr(self, f"{projection}_bias", self._add_bias(f"{projection}_bias", heads_shape[1:]))
+        self.output_kernel = self._add_kernel("output_kernel", (self.num_heads, self.depth, self.d_model))
+        self.output_bias = self._add_bias("output_bias", (self.d_model,))
+
+    def _add_kernel(self, name, shape):
+        def initializer(shape, dtype=None):
+            matrix = self.kernel_initializer((self.d_model, self.d_model), dtype=dtype)
+            return ops.reshape(matrix, shape)
+
+        return self.add_weight(name=name, shape=shape, initializer=initializer)
+
+    def _add_bias(self, name, shape):
+        if not self.use_bias:
+            return None
+        return self.add_weight(name=name, shape=shape, initializer=self.bias_initializer)
+
+    def call(self, query, value, key=None, attention_mask=None, training=None):
+        outputs, _ = self._attend(query, value, key, attention_mask, training, False)
+        return outputs
+
+    def call_with_weights(self, query, value, key=None, attention_mask=None, training=None):
+        """Like `call`, but returns `(outputs, weights)`; weights `(batch, num_heads, len_q, len_k)`."""
+        if not self.built:
+            self.build(query.shape, value.shape)
+        return self._attend(query, value, key, attention_mask, training, True)
+
+    def _attend(self, query, value, key, attention_mask, training, return_weights):
+        key = value if key is None else key
+        if self.mode == "batched":
+            return self._attend_batched(query, key, value, attention_mask, training, return_weights)
+        return self._attend_per_head(query, key, value, attention_mask, training, return_weights)
+
+    # -- batched: all heads in one product per projection ---------------------
+    def project_heads(self, inputs, projection):
+        """`(batch, len, d_model)` -> `(batch, len, num_heads, depth)` for "query"|"key"|"value"."""
+        # One (d_model, num_heads * depth) matrix product; on TensorFlow this is
+        # ~2x faster than the equivalent einsum without XLA (and equal with it).
+        kernel = ops.reshape(getattr(self, f"{projection}_kernel"), (self.d_model, -1))
+        outputs = ops.matmul(inputs, kernel)  # (batch, len, num_heads * depth)
+        bias = getattr(self, f"{projection}_bias")
+        if bias is not None:
+            outputs = outputs + ops.reshape(bias, (-1,))
+        return ops.reshape(outputs, (ops.shape(inputs)[0], -1, self.num_heads, self.depth))
+
+    def merge_heads(self, context):
+        """`(batch, len_q, num_heads, depth)` -> `(batch, len_q, d_model)` through W^O."""
+        context = ops.reshape(context, (ops.shape(context)[0], -1, self.num_heads * self.depth))
+        outputs = ops.matmul(context, ops.reshape(self.output_kernel, (-1, self.d_model)))
+        return outputs if self.output_bias is None else outputs + self.output_bias
+
+    def attend_projected(self, query, key, value, attention_mask=None, training=None, return_weights=False):
+        """Attention over already projected heads `(batch, len, num_heads, depth)`.
+
+        Returns `(batch, len_q, d_model)` (and weights). Used by `call` and by
+        incremental decoding, which keeps projected keys/values in a cache.
+        """
+        query, key, value = (ops.transpose(t, (0, 2, 1, 3)) for t in (query, key, value))
+        mask = None if attention_mask is None else ops.expand_dims(attention_mask, axis=1)
+        context, weights = scaled_dot_product_attention(
+            query, key, value, mask=mask, dropout=self.attention_dropout,
+            training=training, return_attention_weights=True,
+        )  # (batch, num_heads, len_q, depth)
+        outputs = self.merge_heads(ops.transpose(context, (0, 2, 1, 3)))
+        return outputs, (weights if return_weights else None)
+
+    def _attend_batched(self, query, key, value, attention_mask, training, return_weights):
+        return self.attend_projected(
+            self.project_heads(query, "query"),
+            self.project_heads(key, "key"),
+            self.project_heads(value, "value"),
+            attention_mask, training, return_weights,
+        )
+
+    # -- per head: head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V) ---------------
+    def _project_one_head(self, inputs, projection, head):
+        outputs = ops.matmul(inputs, getattr(self, f"{projection}_kernel")[:, head, :])
+        bias = getattr(self, f"{projection}_bias")
+        return outputs if bias is None else outputs + bias[head]  # (batch, len, depth)
+
+    def _attend_per_head(self, query, key, value, attention_mask, training, return_weights):
+        heads, head_weights = [], []
+        for i in range(self.num_heads):
+            head_i, weights_i = scaled_dot_product_attention(
+                self._project_one_head(query, "query", i),
+                self._project_one_head(key, "key", i),
+                self._project_one_head(value, "value", i),
+                mask=attention_mask, dropout=self.attention_dropout,
+                training=training, return_attention_weights=True,
+            )  # (batch, len_q, depth), (batch, len_q, len_k)
+            heads.append(head_i)
+            head_weights.append(weights_i)
+        concat = ops.concatenate(heads, axis=-1)  # (batch, len_q, num_heads * depth)
+        w_o = ops.reshape(self.output_kernel, (self.num_heads * self.depth, self.d_model))
+        outputs = ops.matmul(concat, w_o)
+        if self.output_bias is not None:
+            outputs = outputs + self.output_bias
+        weights = ops.stack(head_weights, axis=1) if return_weights else None
+        return outputs, weights
+
+    def compute_output_shape(self, query_shape, value_shape=None, key_shape=None):
+        return tuple(query_shape[:-1]) + (self.d_model,)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            num_heads=self.num_heads,
+            d_model=self.d_model,
+            dropout_rate=self.dropout_rate,
+            mode=self.mode,
+            use_bias=self.use_bias,
+            kernel_initializer=keras.initializers.serialize(self.kernel_initializer),
+            bias_initializer=keras.initializers.serialize(self.bias_initializer),
+        )
+        return config

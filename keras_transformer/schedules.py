@@ -1,0 +1,50 @@
+"""The learning-rate schedule of §5.3 ("Noam").
+
+    lrate = d_model^-0.5 * min(step^-0.5, step * warmup_steps^-1.5)
+
+It rises linearly for `warmup_steps` steps, then decays with the inverse
+square root of the step number.
+"""
+
+import keras
+from keras import ops
+
+from keras_transformer.validation import check_positive_int, register
+
+
+@register
+class NoamSchedule(keras.optimizers.schedules.LearningRateSchedule):
+    """§5.3 learning rate; serializable, so it survives `model.save`.
+
+    Keras counts optimizer iterations from 0; the paper's step_num counts from
+    1, so the schedule evaluates the formula at `iterations + 1` (the first
+    update gets a non-zero rate).
+
+    Args:
+        d_model: model width (512 for base).
+        warmup_steps: 4000 in the paper.
+        scale: a constant factor on the whole schedule (1.0 in the paper).
+
+    Example:
+    >>> schedule = NoamSchedule(d_model=512, warmup_steps=4000)
+    >>> round(float(schedule(3999)), 7)  # the peak, at step 4000
+    0.0006988
+    """
+
+    def __init__(self, d_model, warmup_steps=4000, scale=1.0):
+        check_positive_int("d_model", d_model)
+        check_positive_int("warmup_steps", warmup_steps)
+        if not scale > 0:
+            raise ValueError(f"scale must be a number > 0; got {scale!r}.")
+        self.d_model = d_model
+        self.warmup_steps = warmup_steps
+        self.scale = scale
+
+    def __call__(self, step):
+        step_num = ops.cast(step, "float32") + 1.0
+        return (self.scale * self.d_model**-0.5) * ops.minimum(
+            ops.rsqrt(step_num), step_num * self.warmup_steps**-1.5
+        )
+
+    def get_config(self):
+        return {"d_model": self.d_model, "warmup_steps": self.warmup_steps, "scale": self.scale}

@@ -1,0 +1,191 @@
+"""The Transformer encoder-decoder model of Vaswani et al. (2017), Figure 1.
+
+Shape legend: batch, len_src, len_tgt, d_model, vocab (target vocabulary).
+
+    inputs  {"source_ids": int (batch, len_src), "target_ids": int (batch, len_tgt)}
+    outputs logits float32 (batch, len_tgt, vocab)
+
+`target_ids` is the right-shifted target (BOS y_1 ... y_{n-1}); the labels are
+y_1 ... y_n EOS. Padding (pad_id) is masked out of every attention.
+"""
+
+import dataclasses
+
+import keras
+
+from keras_transformer.config import TransformerConfig
+from keras_transformer.decoder import Decoder
+from keras_transformer.embedding import TokenEmbedding
+from keras_transformer.encoder import Encoder
+from keras_transformer.masks import padding_mask
+from keras_transformer.multi_head_attention import ATTENTION_MODES, MultiHeadAttention
+from keras_transformer.validation import check_choice, register
+
+INPUT_KEYS = ("source_ids", "target_ids")
+_CONFIG_FIELDS = {field.name for field in dataclasses.fields(TransformerConfig)}
+
+
+@register
+class Transformer(keras.Model):
+    """Encoder-decoder Transformer (§3) returning float32 logits.
+
+    Args:
+        config: a `TransformerConfig` or its dict; any `TransformerConfig`
+            field may also be given (or overridden) as a keyword argument.
+        name, dtype, ...: as `keras.Model`; `dtype="mixed_float16"` or a
+            global mixed policy runs in half precision with float32 logits.
+
+    Call arguments:
+        inputs: dict with `source_ids` `(batch, len_src)` and `target_ids`
+            `(batch, len_tgt)` int tensors.
+        training: enables dropout.
+
+    Returns:
+        logits `(batch, len_tgt, vocab)` float32.
+
+    Weights: the embedding matrix is shared three ways (source, target,
+    pre-softmax; §3.4) unless `share_embeddings`/`tie_output` say otherwise.
+
+    Example:
+    >>> import numpy as np
+    >>> model = Transformer.from_preset("tiny", vocab_size=100)
+    >>> ids = np.array([[5, 6, 7, 0]])
+    >>> model({"source_ids": ids, "target_ids": ids}).shape
+    TensorShape([1, 4, 100])
+    """
+
+    def __init__(self, config=None, **kwargs):
+        overrides = {key: kwargs.pop(key) for key in list(kwargs) if key in _CONFIG_FIELDS}
+        if config is None:
+            config = TransformerConfig(**overrides)
+        elif isinstance(config, dict):
+            config = TransformerConfig.from_dict({**config, **overrides})
+        elif overrides:
+            config = dataclasses.replace(config, **overrides)
+        super().__init__(**kwargs)
+        self.config = config
+        if config.share_embeddings:
+            self.token_embedding = self._make_embedding(config.vocab_size, "token_embedding")
+        else:
+            self.source_token_embedding = self._make_embedding(config.vocab_size, "source_embedding")
+            self.target_token_embedding = self._make_embedding(config.target_vocab, "target_embedding")
+        self.encoder = Encoder(config.num_layers, **config.layer_arguments(),
+                               dtype=self.dtype_policy, name="encoder")
+        self.decoder = Decoder(config.num_decoder_layers, **config.layer_arguments(),
+                               dtype=self.dtype_policy, name="decoder")
+        self.output_projection = None
+        if not config.tie_output:
+            self.output_projection = keras.layers.Dense(
+                config.target_vocab, dtype="float32", name="output_projection"
+            )
+
+    def _make_embedding(self, vocab_size, name):
+        return TokenEmbedding(vocab_size, self.config.d_model, dtype=self.dtype_policy, name=name)
+
+    @property
+    def source_embedding(self):
+        return self.token_embedding if self.config.share_embeddings else self.source_token_embedding
+
+    @property
+    def target_embedding(self):
+        return self.token_embedding if self.config.share_embeddings else self.target_token_embedding
+
+    @classmethod
+    def from_preset(cls, preset, **overrides):
+        """A built model of preset `tiny`, `small`, `base` or `big` (see `TransformerConfig`)."""
+        model = cls(TransformerConfig.from_preset(preset, **overrides))
+        model.build()
+        return model
+
+    def build(self, input_shape=None):
+        hidden_shape = (None, None, self.config.d_model)
+        for embedding in {id(e): e for e in (self.source_embedding, self.target_embedding)}.values():
+            embedding.build()
+        self.encoder.build(hidden_shape)
+        self.decoder.build(hidden_shape, hidden_shape)
+        if self.output_projection is not None:
+            self.output_projection.build(hidden_shape)
+
+    def call(self, inputs, training=None):
+        source_ids, target_ids = _unpack_inputs(inputs)
+        memory = self.encode(source_ids, training=training)
+        return self.decode(target_ids, memory, source_ids, training=training)
+
+    def encode(self, source_ids, training=False):
+        """Source ids `(batch, len_src)` -> memory `(batch, len_src, d_model)`."""
+        return self.encoder(
+            self.source_embedding(source_ids),
+            attention_mask=padding_mask(source_ids, self.config.pad_id),
+            training=training,
+        )
+
+    def decode(self, target_ids, memory, source_ids, training=False):
+        """Right-shifted target ids `(batch, len_tgt)` + memory -> logits `(batch, len_tgt, vocab)`."""
+        hidden = self.decoder(
+            self.target_embedding(target_ids),
+            memory,
+            target_mask=padding_mask(target_ids, self.config.pad_id),
+            memory_mask=padding_mask(source_ids, self.config.pad_id),
+            training=training,
+        )
+        return self.project(hidden)
+
+    def project(self, hidden):
+        """Decoder output `(batch, len, d_model)` -> float32 logits `(batch, len, vocab)`."""
+        if self.output_projection is not None:
+            return self.output_projection(hidden)
+        return self.target_embedding.project(hidden)
+
+    def attention_weights(self, inputs):
+        """All attention weights of an inference pass, for inspection and plots.
+
+        Returns a dict of lists (one entry per layer) of float32 tensors
+        `(batch, num_heads, len_q, len_k)`: `encoder_self`, `decoder_self`,
+        `decoder_cross`.
+        """
+        source_ids, target_ids = _unpack_inputs(inputs)
+        source_mask = padding_mask(source_ids, self.config.pad_id)
+        memory, encoder_self = self.encoder.call_with_weights(
+            self.source_embedding(source_ids), source_mask, training=False)
+        _, decoder_self, decoder_cross = self.decoder.call_with_weights(
+            self.target_embedding(target_ids), memory,
+            padding_mask(target_ids, self.config.pad_id), source_mask, training=False)
+        return {"encoder_self": encoder_self, "decoder_self": decoder_self,
+                "decoder_cross": decoder_cross}
+
+    def set_attention_mode(self, mode):
+        """Switches every attention layer to `"batched"` or `"per_head"` (same weights).
+
+        Compiled train/predict functions are dropped so they retrace in the
+        new mode.
+        """
+        check_choice("mode", mode, ATTENTION_MODES)
+        for layer in self._flatten_layers(include_self=False, recursive=True):
+            if isinstance(layer, MultiHeadAttention):
+                layer.mode = mode
+            elif hasattr(layer, "attention_mode"):
+                layer.attention_mode = mode
+        self.config = dataclasses.replace(self.config, attention_mode=mode)
+        self.train_function = self.test_function = self.predict_function = None
+
+    def get_config(self):
+        return {
+            "name": self.name,
+            "trainable": self.trainable,
+            "dtype": keras.dtype_policies.serialize(self.dtype_policy),
+            "config": self.config.to_dict(),
+        }
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(**config)
+
+
+def _unpack_inputs(inputs):
+    if not isinstance(inputs, dict) or any(key not in inputs for key in INPUT_KEYS):
+        got = sorted(inputs) if isinstance(inputs, dict) else type(inputs).__name__
+        raise ValueError(
+            f"Transformer expects a dict with keys {list(INPUT_KEYS)} "
+            f"(int token ids of shape (batch, length)); got {got}."
+        )
+    return inputs["source_ids"], inputs["target_ids"]

@@ -1,0 +1,26 @@
+"""Argument checks with messages that say what was wrong and what is allowed,
+and the one serialization registration decorator of the package."""
+
+import numbers
+
+import keras
+
+register = keras.saving.register_keras_serializable(package="keras_transformer")
+
+
+def check_positive_int(name, value):
+    """Raises `ValueError` unless `value` is an integer > 0."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer; got {value!r}.")
+
+
+def check_rate(name, value):
+    """Raises `ValueError` unless `value` is a probability in [0, 1)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < 1:
+        raise ValueError(f"{name} must be a number in [0, 1); got {value!r}.")
+
+
+def check_choice(name, value, choices):
+    """Raises `ValueError` unless `value` is one of `choices`."""
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}; got {value!r}.")

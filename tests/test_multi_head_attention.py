@@ -1,0 +1,108 @@
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_transformer as kt
+
+
+def _inputs(batch=2, len_q=5, len_k=7, d_model=16, seed=0):
+    rng = np.random.default_rng(seed)
+    query = rng.normal(size=(batch, len_q, d_model)).astype("float32")
+    value = rng.normal(size=(batch, len_k, d_model)).astype("float32")
+    mask = np.ones((batch, len_q, len_k), bool)
+    mask[1, :, 4:] = False  # padded keys in the second sentence
+    return query, value, mask
+
+
+def _outputs_and_gradients(layer, query, value, mask):
+    query, value = tf.constant(query), tf.constant(value)
+    with tf.GradientTape() as tape:
+        tape.watch([query, value])
+        outputs = layer(query, value, attention_mask=mask)
+        loss = tf.reduce_sum(outputs * tf.sin(outputs))
+    variables = layer.trainable_variables
+    gradients = tape.gradient(loss, variables + [query, value])
+    return outputs.numpy(), [g.numpy() for g in gradients]
+
+
+def test_per_head_and_batched_give_same_outputs_and_gradients():
+    query, value, mask = _inputs()
+    layer = kt.MultiHeadAttention(num_heads=4, d_model=16, mode="batched")
+    batched = _outputs_and_gradients(layer, query, value, mask)
+    layer.mode = "per_head"
+    per_head = _outputs_and_gradients(layer, query, value, mask)
+    np.testing.assert_allclose(per_head[0], batched[0], atol=1e-5)
+    assert len(per_head[1]) == 8 + 2
+    for g_per_head, g_batched in zip(per_head[1], batched[1]):
+        np.testing.assert_allclose(g_per_head, g_batched, atol=1e-5)
+
+
+def test_per_head_attention_weights_match_batched():
+    query, value, mask = _inputs()
+    layer = kt.MultiHeadAttention(num_heads=4, d_model=16)
+    _, batched = layer.call_with_weights(query, value, attention_mask=mask)
+    layer.mode = "per_head"
+    _, per_head = layer.call_with_weights(query, value, attention_mask=mask)
+    assert batched.shape == (2, 4, 5, 7)
+    np.testing.assert_allclose(per_head, batched, atol=1e-6)
+    assert np.all(np.asarray(batched)[1, :, :, 4:] == 0.0)
+
+
+def test_weights_have_keras_multi_head_attention_order_and_shapes():
+    query, value, _ = _inputs()
+    ours = kt.MultiHeadAttention(num_heads=4, d_model=16)
+    theirs = keras.layers.MultiHeadAttention(num_heads=4, key_dim=4)
+    ours(query, value), theirs(query, value)
+    assert [w.shape for w in ours.get_weights()] == [w.shape for w in theirs.get_weights()]
+
+
+@pytest.mark.parametrize("mode", kt.ATTENTION_MODES)
+@pytest.mark.parametrize("direction", ["keras_to_ours", "ours_to_keras"])
+def test_weights_copied_to_and_from_keras_give_same_outputs(mode, direction):
+    query, value, mask = _inputs()
+    ours = kt.MultiHeadAttention(num_heads=4, d_model=16, mode=mode)
+    theirs = keras.layers.MultiHeadAttention(num_heads=4, key_dim=4)
+    ours(query, value), theirs(query, value)
+    source, target = (theirs, ours) if direction == "keras_to_ours" else (ours, theirs)
+    target.set_weights(source.get_weights())
+    np.testing.assert_allclose(
+        ours(query, value, attention_mask=mask),
+        theirs(query, value, attention_mask=mask), atol=1e-5,
+    )
+
+
+def test_self_attention_defaults_key_to_value():
+    query, value, _ = _inputs()
+    layer = kt.MultiHeadAttention(num_heads=2, d_model=16)
+    np.testing.assert_allclose(layer(query, value), layer(query, value, key=value), atol=0)
+
+
+def test_kernel_initializer_sees_the_square_matrix_fans():
+    layer = kt.MultiHeadAttention(num_heads=8, d_model=512)
+    layer.build((None, None, 512), (None, None, 512))
+    limit = np.sqrt(6.0 / (512 + 512))  # Glorot uniform on (d_model, d_model)
+    kernel = np.asarray(layer.query_kernel)
+    assert kernel.max() <= limit and kernel.max() > 0.9 * limit
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (dict(num_heads=3, d_model=16), "d_model=16 must be divisible by num_heads=3"),
+        (dict(num_heads=0, d_model=16), "num_heads must be a positive integer"),
+        (dict(num_heads=2, d_model=-4), "d_model must be a positive integer"),
+        (dict(num_heads=2, d_model=16, mode="flash"), "mode must be one of ['batched', 'per_head']"),
+        (dict(num_heads=2, d_model=16, dropout_rate=1.5), "dropout_rate must be a number in [0, 1)"),
+    ],
+)
+def test_bad_arguments_raise_value_error_naming_the_argument(arguments, message):
+    with pytest.raises(ValueError) as error:
+        kt.MultiHeadAttention(**arguments)
+    assert message in str(error.value)
+
+
+def test_wrong_input_width_is_reported():
+    layer = kt.MultiHeadAttention(num_heads=2, d_model=16)
+    with pytest.raises(ValueError, match="d_model=16"):
+        layer(np.ones((1, 2, 8), "float32"), np.ones((1, 2, 8), "float32"))
