@@ -6,6 +6,7 @@ __version__ = "0.1.0"
 from keras_transformer.attention import masked_softmax, scaled_dot_product_attention
 from keras_transformer.config import PRESETS, TransformerConfig
 from keras_transformer.decoder import Decoder, DecoderLayer
+from keras_transformer.decoding import Translations, beam_search, greedy_search
 from keras_transformer.embedding import TokenEmbedding
 from keras_transformer.encoder import Encoder, EncoderLayer
 from keras_transformer.feed_forward import PositionwiseFeedForward
@@ -19,7 +20,7 @@ from keras_transformer.training import compile_transformer, make_optimizer
 from keras_transformer.transformer import Transformer
 
 __all__ = [
-    "ATTENTION_MODES", "PRESETS", "Decoder", "DecoderLayer", "Encoder", "EncoderLayer",
+    "ATTENTION_MODES", "PRESETS", "Translations", "beam_search", "greedy_search", "Decoder", "DecoderLayer", "Encoder", "EncoderLayer",
     "LabelSmoothedCrossEntropy", "MaskedTokenAccuracy", "MultiHeadAttention", "NoamSchedule",
     "PositionwiseFeedForward", "SinusoidalPositionalEncoding", "TokenEmbedding", "Transformer",
     "TransformerConfig", "causal_mask", "combine_masks", "compile_transformer", "make_optimizer",

@@ -81,11 +81,15 @@ def masked_softmax(logits, mask=None):
         float32 `(..., len_q, len_k)`; rows where the mask is all False are zero.
     """
     logits = ops.cast(logits, "float32")
+    if mask is not None:
+        # where() rather than adding a large negative number: no overflow in
+        # any dtype, and the fill is far below any real logit.
+        logits = ops.where(mask, logits, ops.cast(-3.0e38, "float32"))
+    if logits.shape[-1] == 1:  # one key: the softmax is 1 (and Keras warns about it)
+        weights = ops.ones_like(logits)
+    else:
+        weights = ops.softmax(logits, axis=-1)
     if mask is None:
-        return ops.softmax(logits, axis=-1)
-    # where() rather than adding a large negative number: no overflow in any
-    # dtype, and the fill is far below any real logit.
-    logits = ops.where(mask, logits, ops.cast(-3.0e38, "float32"))
-    weights = ops.softmax(logits, axis=-1)
+        return weights
     # Only changes fully masked rows (whose softmax is uniform over nothing).
     return ops.where(mask, weights, ops.zeros_like(weights))

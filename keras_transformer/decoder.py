@@ -16,6 +16,11 @@ from keras_transformer.stack import LayerArguments, TransformerStack
 from keras_transformer.validation import register
 
 
+# The decoding cache: per decoder layer, the self-attention keys/values of the
+# positions decoded so far and the cross-attention keys/values of the memory.
+CACHE_KEYS = ("self_key", "self_value", "cross_key", "cross_value")
+
+
 @register
 class DecoderLayer(LayerArguments, keras.layers.Layer):
     """One decoder layer (§3.1): masked self-attention, cross-attention over the
@@ -82,14 +87,48 @@ class DecoderLayer(LayerArguments, keras.layers.Layer):
                 x, memory, attention_mask=memory_mask, training=training)
             return outputs
 
+        x = self._sublayers(inputs, self_attend, cross_attend, training)
+        return x, weights["self"], weights["cross"]
+
+    def call_with_cache(self, inputs, cache, step, self_attention_mask, memory_mask=None):
+        """Incremental decoding of the positions `step, step + 1, ...` (inference only).
+
+        Args:
+            inputs: `(batch, len_new, d_model)`.
+            cache: dict with `self_key`, `self_value` `(batch, max_len,
+                num_heads, depth)` (this layer's past keys/values) and
+                `cross_key`, `cross_value` `(batch, len_src, num_heads,
+                depth)` (the memory projected once).
+            step: scalar int position of `inputs[:, 0]`.
+            self_attention_mask: bool `(1, len_new, max_len)`, causal from `step`.
+            memory_mask: bool `(batch, 1, len_src)`.
+
+        Returns:
+            `(outputs (batch, len_new, d_model), self_key, self_value)`.
+        """
+        updated = {}
+
+        def self_attend(x):
+            outputs, updated["key"], updated["value"] = self.self_attention.call_with_cache(
+                x, cache["self_key"], cache["self_value"], step, self_attention_mask)
+            return outputs
+
+        def cross_attend(x):
+            query = self.cross_attention.project_heads(x, "query")
+            return self.cross_attention.attend_heads(
+                query, cache["cross_key"], cache["cross_value"], memory_mask)[0]
+
+        x = self._sublayers(inputs, self_attend, cross_attend, training=False)
+        return x, updated["key"], updated["value"]
+
+    def _sublayers(self, inputs, self_attend, cross_attend, training):
         x = residual_block(inputs, self_attend, self.self_attention_norm,
                            self.self_attention_dropout, self.norm_first, training)
         x = residual_block(x, cross_attend, self.cross_attention_norm,
                            self.cross_attention_dropout, self.norm_first, training)
-        x = residual_block(x, lambda h: self.feed_forward(h, training=training),
-                           self.feed_forward_norm, self.feed_forward_dropout,
-                           self.norm_first, training)
-        return x, weights["self"], weights["cross"]
+        return residual_block(x, lambda h: self.feed_forward(h, training=training),
+                              self.feed_forward_norm, self.feed_forward_dropout,
+                              self.norm_first, training)
 
     def compute_output_shape(self, inputs_shape, memory_shape=None):
         return tuple(inputs_shape)
@@ -147,3 +186,31 @@ class Decoder(TransformerStack):
             self_weights.append(self_w)
             cross_weights.append(cross_w)
         return self.normalize_output(x), self_weights, cross_weights
+
+    def call_with_cache(self, inputs, cache, step, memory_mask=None):
+        """Incremental decoding: embedded target positions `step, ...` -> hidden states.
+
+        Args:
+            inputs: scaled target embeddings `(batch, len_new, d_model)` of the
+                positions `step, step + 1, ...` (usually `len_new == 1`).
+            cache: from `Transformer.init_cache`: dict of per-layer lists
+                `self_key`, `self_value` `(batch, max_len, num_heads, depth)`
+                and `cross_key`, `cross_value` `(batch, len_src, num_heads, depth)`.
+            step: scalar int.
+            memory_mask: bool `(batch, 1, len_src)`.
+
+        Returns:
+            `(hidden (batch, len_new, d_model), cache)` with this step's keys
+            and values written into the self-attention caches.
+        """
+        max_len = keras.ops.shape(cache["self_key"][0])[1]
+        self_attention_mask = causal_mask(keras.ops.shape(inputs)[1], max_len, offset=step)
+        x = self.embed_positions(inputs, training=False, offset=step)
+        keys, values = [], []
+        for i, layer in enumerate(self.stack_layers):
+            layer_cache = {name: cache[name][i] for name in CACHE_KEYS}
+            x, key, value = layer.call_with_cache(x, layer_cache, step, self_attention_mask,
+                                                  memory_mask)
+            keys.append(key)
+            values.append(value)
+        return self.normalize_output(x), {**cache, "self_key": keys, "self_value": values}

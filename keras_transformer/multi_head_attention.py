@@ -144,78 +144,95 @@ class MultiHeadAttention(keras.layers.Layer):
             self.build(query.shape, value.shape)
         return self._attend(query, value, key, attention_mask, training, True)
 
+    def call_with_cache(self, query, key_cache, value_cache, step, attention_mask=None):
+        """Self-attention of new positions with a fixed-size key/value cache (§3.2.3).
+
+        The keys and values of `query` (the positions `step, step + 1, ...`)
+        are written into the caches in place, then `query` attends over the
+        whole cache; `attention_mask` must hide the positions not written yet.
+
+        Args:
+            query: `(batch, len_new, d_model)`.
+            key_cache, value_cache: `(batch, max_len, num_heads, depth)`.
+            step: scalar int, the position of `query[:, 0]`.
+            attention_mask: bool `(batch|1, len_new, max_len)`.
+
+        Returns:
+            `(outputs (batch, len_new, d_model), key_cache, value_cache)`.
+        """
+        key_cache = ops.slice_update(key_cache, (0, step, 0, 0),
+                                     ops.cast(self.project_heads(query, "key"), key_cache.dtype))
+        value_cache = ops.slice_update(value_cache, (0, step, 0, 0),
+                                       ops.cast(self.project_heads(query, "value"), value_cache.dtype))
+        outputs, _ = self.attend_heads(self.project_heads(query, "query"), key_cache, value_cache,
+                                       attention_mask)
+        return outputs, key_cache, value_cache
+
     def _attend(self, query, value, key, attention_mask, training, return_weights):
         key = value if key is None else key
-        if self.mode == "batched":
-            return self._attend_batched(query, key, value, attention_mask, training, return_weights)
-        return self._attend_per_head(query, key, value, attention_mask, training, return_weights)
-
-    # -- batched: all heads in one product per projection ---------------------
-    def project_heads(self, inputs, projection):
-        """`(batch, len, d_model)` -> `(batch, len, num_heads, depth)` for "query"|"key"|"value"."""
-        # One (d_model, num_heads * depth) matrix product; on TensorFlow this is
-        # ~2x faster than the equivalent einsum without XLA (and equal with it).
-        kernel = ops.reshape(getattr(self, f"{projection}_kernel"), (self.d_model, -1))
-        outputs = ops.matmul(inputs, kernel)  # (batch, len, num_heads * depth)
-        bias = getattr(self, f"{projection}_bias")
-        if bias is not None:
-            outputs = outputs + ops.reshape(bias, (-1,))
-        return ops.reshape(outputs, (ops.shape(inputs)[0], -1, self.num_heads, self.depth))
-
-    def merge_heads(self, context):
-        """`(batch, len_q, num_heads, depth)` -> `(batch, len_q, d_model)` through W^O."""
-        context = ops.reshape(context, (ops.shape(context)[0], -1, self.num_heads * self.depth))
-        outputs = ops.matmul(context, ops.reshape(self.output_kernel, (-1, self.d_model)))
-        return outputs if self.output_bias is None else outputs + self.output_bias
-
-    def attend_projected(self, query, key, value, attention_mask=None, training=None, return_weights=False):
-        """Attention over already projected heads `(batch, len, num_heads, depth)`.
-
-        Returns `(batch, len_q, d_model)` (and weights). Used by `call` and by
-        incremental decoding, which keeps projected keys/values in a cache.
-        """
-        query, key, value = (ops.transpose(t, (0, 2, 1, 3)) for t in (query, key, value))
-        mask = None if attention_mask is None else ops.expand_dims(attention_mask, axis=1)
-        context, weights = scaled_dot_product_attention(
-            query, key, value, mask=mask, dropout=self.attention_dropout,
-            training=training, return_attention_weights=True,
-        )  # (batch, num_heads, len_q, depth)
-        outputs = self.merge_heads(ops.transpose(context, (0, 2, 1, 3)))
-        return outputs, (weights if return_weights else None)
-
-    def _attend_batched(self, query, key, value, attention_mask, training, return_weights):
-        return self.attend_projected(
+        return self.attend_heads(
             self.project_heads(query, "query"),
             self.project_heads(key, "key"),
             self.project_heads(value, "value"),
             attention_mask, training, return_weights,
         )
 
-    # -- per head: head_i = Attention(Q W_i^Q, K W_i^K, V W_i^V) ---------------
-    def _project_one_head(self, inputs, projection, head):
-        outputs = ops.matmul(inputs, getattr(self, f"{projection}_kernel")[:, head, :])
-        bias = getattr(self, f"{projection}_bias")
-        return outputs if bias is None else outputs + bias[head]  # (batch, len, depth)
+    def project_heads(self, inputs, projection):
+        """`(batch, len, d_model)` -> `(batch, len, num_heads, depth)`, for "query"|"key"|"value".
 
-    def _attend_per_head(self, query, key, value, attention_mask, training, return_weights):
-        heads, head_weights = [], []
-        for i in range(self.num_heads):
-            head_i, weights_i = scaled_dot_product_attention(
-                self._project_one_head(query, "query", i),
-                self._project_one_head(key, "key", i),
-                self._project_one_head(value, "value", i),
-                mask=attention_mask, dropout=self.attention_dropout,
+        Batched: one `(d_model, num_heads * depth)` matrix product (on
+        TensorFlow ~2x faster than the equivalent einsum without XLA). Per
+        head: `inputs @ W_i` for each head i, stacked.
+        """
+        kernel, bias = self._weight(f"{projection}_kernel"), self._weight(f"{projection}_bias")
+        if self.mode == "per_head":
+            heads = [ops.matmul(inputs, kernel[:, i, :]) + (0 if bias is None else bias[i])
+                     for i in range(self.num_heads)]  # each (batch, len, depth)
+            return ops.stack(heads, axis=2)
+        outputs = ops.matmul(inputs, ops.reshape(kernel, (self.d_model, -1)))
+        if bias is not None:
+            outputs = outputs + ops.reshape(bias, (-1,))
+        return ops.reshape(outputs, (ops.shape(inputs)[0], -1, self.num_heads, self.depth))
+
+    def attend_heads(self, query, key, value, attention_mask=None, training=None,
+                     return_weights=False):
+        """Eq. (1) per head over projected heads `(batch, len, num_heads, depth)`, then W^O.
+
+        Returns `((batch, len_q, d_model), weights or None)`; weights
+        `(batch, num_heads, len_q, len_k)` float32. Used by `call` and by
+        incremental decoding, which keeps projected keys and values cached.
+        """
+        if self.mode == "per_head":
+            heads, head_weights = [], []
+            for i in range(self.num_heads):
+                head_i, weights_i = scaled_dot_product_attention(
+                    query[:, :, i], key[:, :, i], value[:, :, i], mask=attention_mask,
+                    dropout=self.attention_dropout, training=training,
+                    return_attention_weights=True,
+                )  # (batch, len_q, depth), (batch, len_q, len_k)
+                heads.append(head_i)
+                head_weights.append(weights_i)
+            context = ops.concatenate(heads, axis=-1)  # Concat(head_1, ..., head_h)
+            weights = ops.stack(head_weights, axis=1) if return_weights else None
+        else:
+            query, key, value = (ops.transpose(t, (0, 2, 1, 3)) for t in (query, key, value))
+            mask = None if attention_mask is None else ops.expand_dims(attention_mask, axis=1)
+            context, weights = scaled_dot_product_attention(
+                query, key, value, mask=mask, dropout=self.attention_dropout,
                 training=training, return_attention_weights=True,
-            )  # (batch, len_q, depth), (batch, len_q, len_k)
-            heads.append(head_i)
-            head_weights.append(weights_i)
-        concat = ops.concatenate(heads, axis=-1)  # (batch, len_q, num_heads * depth)
-        w_o = ops.reshape(self.output_kernel, (self.num_heads * self.depth, self.d_model))
-        outputs = ops.matmul(concat, w_o)
+            )  # (batch, num_heads, len_q, depth)
+            context = ops.reshape(ops.transpose(context, (0, 2, 1, 3)),
+                                  (ops.shape(context)[0], -1, self.d_model))
+        outputs = ops.matmul(context, ops.reshape(self._weight("output_kernel"), (-1, self.d_model)))
         if self.output_bias is not None:
-            outputs = outputs + self.output_bias
-        weights = ops.stack(head_weights, axis=1) if return_weights else None
-        return outputs, weights
+            outputs = outputs + self._weight("output_bias")
+        return outputs, (weights if return_weights else None)
+
+    def _weight(self, name):
+        """A weight in the compute dtype, also outside `__call__`'s autocast
+        (incremental decoding calls `project_heads`/`attend_heads` directly)."""
+        weight = getattr(self, name)
+        return None if weight is None else ops.cast(weight, self.compute_dtype)
 
     def compute_output_shape(self, query_shape, value_shape=None, key_shape=None):
         return tuple(query_shape[:-1]) + (self.d_model,)

@@ -70,9 +70,10 @@ class TransformerStack(LayerArguments, keras.layers.Layer):
         if self.output_norm is not None:
             self.output_norm.build(inputs_shape)
 
-    def embed_positions(self, inputs, training=None):
-        """Positional encoding + embedding dropout (§3.5, §5.4)."""
-        return self.embedding_dropout(self.positional_encoding(inputs), training=training)
+    def embed_positions(self, inputs, training=None, offset=0):
+        """Positional encoding (from position `offset`) + embedding dropout (§3.5, §5.4)."""
+        return self.embedding_dropout(self.positional_encoding(inputs, offset=offset),
+                                      training=training)
 
     def normalize_output(self, outputs):
         return outputs if self.output_norm is None else self.output_norm(outputs)

@@ -130,6 +130,55 @@ class Transformer(keras.Model):
         )
         return self.project(hidden)
 
+    def init_cache(self, memory, max_length):
+        """The incremental-decoding cache for `memory` `(batch, len_src, d_model)`.
+
+        Cross-attention keys/values are projected once here; self-attention
+        caches are preallocated zeros of `max_length` positions. A dict of
+        per-decoder-layer lists: `self_key`, `self_value` `(batch, max_length,
+        num_heads, depth)`, `cross_key`, `cross_value` `(batch, len_src,
+        num_heads, depth)`.
+        """
+        batch = keras.ops.shape(memory)[0]
+        config = self.config
+        shape = (batch, max_length, config.num_heads, config.d_model // config.num_heads)
+        layers = self.decoder.stack_layers
+        memory = keras.ops.cast(memory, self.compute_dtype)
+        return {
+            "self_key": [keras.ops.zeros(shape, self.compute_dtype) for _ in layers],
+            "self_value": [keras.ops.zeros(shape, self.compute_dtype) for _ in layers],
+            "cross_key": [layer.cross_attention.project_heads(memory, "key") for layer in layers],
+            "cross_value": [layer.cross_attention.project_heads(memory, "value") for layer in layers],
+        }
+
+    def decode_step(self, token_ids, step, cache, memory_mask):
+        """One incremental decoding step (inference).
+
+        Args:
+            token_ids: int `(batch,)`, the target token at position `step`
+                (BOS at step 0).
+            step: scalar int.
+            cache: from `init_cache` (or the previous step).
+            memory_mask: `padding_mask(source_ids)`, bool `(batch, 1, len_src)`.
+
+        Returns:
+            `(logits (batch, vocab) float32 for position step + 1, cache)`.
+        """
+        embedded = self.target_embedding(keras.ops.expand_dims(token_ids, axis=1))
+        hidden, cache = self.decoder.call_with_cache(embedded, cache, step, memory_mask)
+        return self.project(hidden)[:, 0], cache
+
+    def translate_ids(self, source_ids, beam_size=4, length_penalty=0.6, max_extra_length=50,
+                      num_return=1):
+        """Beam search (§6.1) from source ids; `beam_size=1` and `length_penalty=0` is greedy.
+
+        Returns `(target_ids, scores)` as `keras_transformer.beam_search`.
+        """
+        from keras_transformer.decoding import beam_search
+
+        return beam_search(self, source_ids, beam_size=beam_size, length_penalty=length_penalty,
+                           max_extra_length=max_extra_length, num_return=num_return)
+
     def project(self, hidden):
         """Decoder output `(batch, len, d_model)` -> float32 logits `(batch, len, vocab)`."""
         if self.output_projection is not None:

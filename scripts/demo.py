@@ -41,7 +41,7 @@ def main():
     train_x, train_y = kt.sequence_task("reverse", 64 * 50 * 40, vocab, max_length=10, seed=1)
     test_x, test_y = kt.sequence_task("reverse", 1000, vocab, max_length=10, seed=2)
     model = kt.Transformer.from_preset("tiny", vocab_size=vocab)
-    kt.compile_transformer(model, warmup_steps=200, learning_rate_scale=0.7, jit_compile=True)
+    kt.compile_transformer(model, warmup_steps=200, learning_rate_scale=0.7)
     print(f"Training the tiny preset ({model.count_params():,} parameters) to reverse "
           f"sequences of 1-10 symbols ...")
     start = time.perf_counter()

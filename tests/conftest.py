@@ -1,0 +1,49 @@
+"""Fixtures shared by the test modules."""
+
+import time
+import types
+
+import keras
+import pytest
+
+import keras_transformer as kt
+
+REVERSE_VOCAB = 20
+
+
+class _StopAtAccuracy(keras.callbacks.Callback):
+    def __init__(self, target):
+        super().__init__()
+        self.target = target
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs["val_token_accuracy"] >= self.target:
+            self.model.stop_training = True
+
+
+@pytest.fixture(scope="session")
+def reverse_model():
+    """The tiny preset trained with `model.fit` to reverse sequences of 1-10 symbols.
+
+    Phase 1 (timed) trains until held-out token accuracy reaches 0.985 and
+    records the time and the re-evaluated accuracy; phase 2 trains a little
+    longer so that the decoding tests get a model that decodes exactly.
+    """
+    keras.utils.set_random_seed(0)
+    train_x, train_y = kt.sequence_task("reverse", 64 * 50 * 20, REVERSE_VOCAB, max_length=10, seed=1)
+    val_x, val_y = kt.sequence_task("reverse", 500, REVERSE_VOCAB, max_length=10, seed=2)
+    model = kt.Transformer.from_preset("tiny", vocab_size=REVERSE_VOCAB)
+    # No XLA: on this 2-core CPU it compiles for ~20 s and then runs no faster.
+    kt.compile_transformer(model, warmup_steps=200, learning_rate_scale=0.7)
+    start = time.perf_counter()
+    history = model.fit(train_x, train_y, batch_size=64, epochs=30, steps_per_epoch=50,
+                        validation_data=(val_x, val_y), callbacks=[_StopAtAccuracy(0.985)],
+                        verbose=0)
+    seconds = time.perf_counter() - start
+    accuracy = model.evaluate(val_x, val_y, verbose=0, return_dict=True)["token_accuracy"]
+    phase_1_epochs = len(history.history["loss"])
+    model.fit(train_x, train_y, batch_size=64, epochs=phase_1_epochs + 25, steps_per_epoch=50,
+              initial_epoch=phase_1_epochs, validation_data=(val_x, val_y),
+              callbacks=[_StopAtAccuracy(0.999)], verbose=0)
+    return types.SimpleNamespace(model=model, seconds=seconds, accuracy=accuracy,
+                                 vocab=REVERSE_VOCAB)

@@ -1,0 +1,200 @@
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import keras_transformer as kt
+
+
+def _reversed_with_eos(source, eos_id=3):
+    return [list(row[row != 0][::-1]) + [eos_id] for row in source]
+
+
+def _strip(ids, eos_id=3):
+    """Token lists up to and including EOS."""
+    out = []
+    for row in np.asarray(ids):
+        row = list(row)
+        out.append(row[: row.index(eos_id) + 1] if eos_id in row else row)
+    return out
+
+
+def _unseen_sources(count=200, seed=7):
+    inputs, _ = kt.sequence_task("reverse", count, 20, max_length=10, seed=seed)
+    return inputs["source_ids"]
+
+
+@pytest.mark.parametrize("mode", kt.ATTENTION_MODES)
+def test_cached_step_logits_equal_a_full_forward_pass(mode):
+    model = kt.Transformer.from_preset("tiny", vocab_size=30, attention_mode=mode)
+    rng = np.random.default_rng(0)
+    source = rng.integers(4, 30, size=(3, 6)).astype("int32")
+    source[1, 4:] = 0
+    target = np.concatenate([np.full((3, 1), 2), rng.integers(4, 30, size=(3, 7))], axis=1)
+    full = np.asarray(model({"source_ids": source, "target_ids": target}))  # (3, 8, vocab)
+    memory = model.encode(source)
+    cache = model.init_cache(memory, max_length=10)
+    mask = kt.padding_mask(source)
+    for step in range(target.shape[1]):
+        logits, cache = model.decode_step(target[:, step], step, cache, mask)
+        np.testing.assert_allclose(logits, full[:, step], atol=1e-5, err_msg=f"step {step}")
+
+
+def test_cross_attention_keys_are_computed_once_and_self_cache_fills_in_place():
+    model = kt.Transformer.from_preset("tiny", vocab_size=30)
+    source = np.array([[5, 6, 7]], "int32")
+    cache = model.init_cache(model.encode(source), max_length=6)
+    assert cache["self_key"][0].shape == (1, 6, 4, 16)
+    assert cache["cross_key"][0].shape == (1, 3, 4, 16)
+    _, after = model.decode_step(np.array([2], "int32"), 0, cache, kt.padding_mask(source))
+    written = np.abs(np.asarray(after["self_key"][0])).sum(axis=(0, 2, 3))
+    assert written[0] > 0 and np.all(written[1:] == 0)
+    np.testing.assert_array_equal(after["cross_key"][1], cache["cross_key"][1])
+
+
+def test_beam_of_one_without_penalty_is_greedy(reverse_model):
+    sources = _unseen_sources(100)
+    greedy = kt.greedy_search(reverse_model.model, sources)
+    beam = kt.beam_search(reverse_model.model, sources, beam_size=1, length_penalty=0.0)
+    np.testing.assert_array_equal(beam.ids, greedy.ids)
+    np.testing.assert_allclose(beam.log_probs, greedy.log_probs, atol=1e-5)
+
+
+def test_beam_of_one_is_greedy_on_an_untrained_model_too():
+    model = kt.Transformer.from_preset("tiny", vocab_size=30)
+    sources = np.random.default_rng(3).integers(4, 30, size=(16, 7)).astype("int32")
+    sources[::2, 4:] = 0
+    greedy = kt.greedy_search(model, sources, max_extra_length=6)
+    beam = kt.beam_search(model, sources, beam_size=1, length_penalty=0.0, max_extra_length=6)
+    np.testing.assert_array_equal(beam.ids, greedy.ids)
+
+
+def test_beam_never_scores_below_greedy_without_length_penalty(reverse_model):
+    sources = _unseen_sources(200, seed=11)
+    greedy = kt.greedy_search(reverse_model.model, sources)
+    beam = kt.beam_search(reverse_model.model, sources, beam_size=4, length_penalty=0.0)
+    assert np.all(np.asarray(beam.log_probs) >= np.asarray(greedy.log_probs) - 1e-4)
+
+
+def test_trained_model_decodes_unseen_sequences_exactly(reverse_model):
+    sources = _unseen_sources(200, seed=13)
+    expected = _reversed_with_eos(sources)
+    for result in (kt.greedy_search(reverse_model.model, sources),
+                   reverse_model.model.translate_ids(sources)):  # beam 4, alpha 0.6
+        decoded = _strip(result.ids)
+        exact = np.mean([d == e for d, e in zip(decoded, expected)])
+        assert exact >= 0.98, exact
+
+
+def test_n_best_is_sorted_distinct_and_scored(reverse_model):
+    sources = _unseen_sources(20, seed=17)
+    result = kt.beam_search(reverse_model.model, sources, beam_size=4, num_return=4)
+    assert result.ids.shape[:2] == (20, 4)
+    scores, log_probs = np.asarray(result.scores), np.asarray(result.log_probs)
+    assert np.all(np.diff(scores, axis=1) <= 1e-6)  # best first
+    lengths = np.array([[len(h) for h in _strip(row)] for row in np.asarray(result.ids)])
+    np.testing.assert_allclose(scores, log_probs / ((5 + lengths) / 6) ** 0.6, rtol=1e-5)
+    for row in np.asarray(result.ids):
+        assert len({tuple(h) for h in row}) == 4
+
+
+@pytest.mark.parametrize("search", ["greedy", "beam"])
+def test_batch_invariance(reverse_model, search):
+    sources = _unseen_sources(6, seed=19)
+    decode = ((lambda s: kt.greedy_search(reverse_model.model, s)) if search == "greedy"
+              else (lambda s: kt.beam_search(reverse_model.model, s, beam_size=4)))
+    together = _strip(decode(sources).ids)
+    for i, source in enumerate(sources):
+        alone = source[None, : max(1, int((source != 0).sum()))]  # no padding at all
+        assert _strip(decode(alone).ids)[0] == together[i]
+
+
+@pytest.mark.parametrize("search", ["greedy", "beam"])
+def test_xla_compiled_decoding_gives_the_eager_tokens(reverse_model, search):
+    model = reverse_model.model
+    sources = _unseen_sources(8, seed=23)
+    if search == "greedy":
+        def decode(s):
+            return kt.greedy_search(model, s)
+    else:
+        def decode(s):
+            return kt.beam_search(model, s, beam_size=4)
+    eager = decode(sources)
+    compiled = tf.function(decode, jit_compile=True)(tf.constant(sources))
+    np.testing.assert_array_equal(compiled.ids, eager.ids)
+    np.testing.assert_allclose(compiled.scores, eager.scores, atol=1e-4)
+
+
+def test_uncached_decoding_gives_the_cached_tokens(reverse_model):
+    sources = _unseen_sources(8, seed=29)
+    for use_cache in (True, False):
+        result = kt.beam_search(reverse_model.model, sources, beam_size=3, use_cache=use_cache)
+        if use_cache:
+            cached = result
+    np.testing.assert_array_equal(result.ids, cached.ids)
+
+
+def test_per_head_mode_decodes_the_same_tokens(reverse_model):
+    model = reverse_model.model
+    sources = _unseen_sources(8, seed=31)
+    batched = kt.beam_search(model, sources)
+    model.set_attention_mode("per_head")
+    try:
+        per_head = kt.beam_search(model, sources)
+    finally:
+        model.set_attention_mode("batched")
+    np.testing.assert_array_equal(per_head.ids, batched.ids)
+
+
+def test_outputs_end_with_eos_within_the_length_limit():
+    model = kt.Transformer.from_preset("tiny", vocab_size=30)  # untrained: rarely says EOS
+    sources = np.array([[5, 6, 7, 0, 0], [5, 6, 7, 8, 9]], "int32")
+    for result in (kt.greedy_search(model, sources, max_extra_length=3),
+                   kt.beam_search(model, sources, beam_size=3, max_extra_length=3)):
+        lengths = [len(h) for h in _strip(result.ids)]
+        assert all(h[-1] == 3 for h in _strip(result.ids))
+        assert lengths[0] <= 3 + 3 and lengths[1] <= 5 + 3
+        assert result.ids.shape[-1] == 5 + 3
+
+
+def test_empty_batch_gives_empty_results():
+    model = kt.Transformer.from_preset("tiny", vocab_size=30)
+    empty = np.zeros((0, 5), "int32")
+    for result in (kt.greedy_search(model, empty), kt.beam_search(model, empty)):
+        assert result.ids.shape[0] == 0 and result.scores.shape == (0,)
+
+
+def test_all_padding_source_gives_a_defined_result():
+    model = kt.Transformer.from_preset("tiny", vocab_size=30)
+    sources = np.zeros((2, 4), "int32")
+    for result in (kt.greedy_search(model, sources, max_extra_length=0),
+                   kt.beam_search(model, sources, max_extra_length=0)):
+        np.testing.assert_array_equal(np.asarray(result.ids)[:, 0], [3, 3])  # just EOS
+        assert np.all(np.isfinite(result.scores))
+    result = kt.beam_search(model, sources, max_extra_length=4)
+    assert all(len(h) <= 4 and h[-1] == 3 for h in _strip(result.ids))
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (dict(beam_size=0), "beam_size must be a positive integer"),
+        (dict(beam_size=2, num_return=3), "num_return=3 must be <= beam_size=2"),
+        (dict(max_extra_length=-1), "max_extra_length must be an integer >= 0"),
+        (dict(length_penalty=-0.5), "length_penalty must be a number >= 0"),
+    ],
+)
+def test_bad_search_arguments_raise_value_error(arguments, message):
+    model = kt.Transformer.from_preset("tiny", vocab_size=30)
+    with pytest.raises(ValueError) as error:
+        kt.beam_search(model, np.array([[5, 6]], "int32"), **arguments)
+    assert message in str(error.value)
+
+
+def test_source_of_wrong_rank_is_reported():
+    model = kt.Transformer.from_preset("tiny", vocab_size=30)
+    with pytest.raises(ValueError, match=r"source_ids must have shape \(batch, length\)"):
+        kt.greedy_search(model, np.array([5, 6], "int32"))
+    with pytest.raises(ValueError, match="max_extra_length"):
+        kt.greedy_search(model, np.array([[5, 6]], "int32"), max_extra_length=-2)
+    assert keras.backend.backend() == "tensorflow"
