@@ -23,7 +23,9 @@ test: $(STAMP)
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)
+	$(BIN)/python -m pip install --quiet -e ".[bench]"
 	$(BIN)/python scripts/bench_attention.py
+	$(BIN)/python scripts/bench_decoding.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -41,7 +41,8 @@ class Translations(NamedTuple):
     log_probs: object
 
 
-def greedy_search(model, source_ids, max_length=None, max_extra_length=50, use_cache=True):
+def greedy_search(model, source_ids, max_length=None, max_extra_length=50, min_length=0,
+                  use_cache=True):
     """Picks the most probable token at every step.
 
     Args:
@@ -51,12 +52,14 @@ def greedy_search(model, source_ids, max_length=None, max_extra_length=50, use_c
             (capped by the model's `max_length`) instead of
             `source_length + max_extra_length`.
         max_extra_length: see the module docstring.
+        min_length: EOS is not allowed before this many tokens (EOS
+            included), unless the length limit forces it.
         use_cache: incremental decoding with the key/value cache.
 
     Returns:
         `Translations` with ids `(batch, max_len)` and scores `(batch,)`.
     """
-    setup = _Setup(model, source_ids, max_length, max_extra_length)
+    setup = _Setup(model, source_ids, max_length, max_extra_length, min_length)
     decoder = (_CachedDecoder if use_cache else _PrefixDecoder)(model, setup, beam_size=1)
     batch, config = setup.batch, model.config
     tokens = ops.full((batch, setup.max_len), config.pad_id, "int32")
@@ -68,7 +71,7 @@ def greedy_search(model, source_ids, max_length=None, max_extra_length=50, use_c
 
     def body(step, tokens, last, log_probs, finished, decoder_state):
         logits, decoder_state = decoder.step(last, tokens, step, decoder_state)
-        step_log_probs = setup.force_eos(ops.log_softmax(logits, axis=-1), step)  # (batch, vocab)
+        step_log_probs = setup.constrain(ops.log_softmax(logits, axis=-1), step)  # (batch, vocab)
         next_tokens = ops.cast(ops.argmax(step_log_probs, axis=-1), "int32")
         next_log_probs = ops.take_along_axis(step_log_probs, next_tokens[:, None], axis=-1)[:, 0]
         next_tokens = ops.where(finished, config.pad_id, next_tokens)
@@ -82,7 +85,7 @@ def greedy_search(model, source_ids, max_length=None, max_extra_length=50, use_c
 
 
 def beam_search(model, source_ids, beam_size=4, length_penalty=0.6, max_extra_length=50,
-                num_return=1, max_length=None, use_cache=True):
+                num_return=1, max_length=None, min_length=0, use_cache=True):
     """Beam search with the GNMT length penalty and a pool of finished hypotheses (§6.1).
 
     Every step expands the live hypotheses of each sentence and keeps the
@@ -101,6 +104,8 @@ def beam_search(model, source_ids, beam_size=4, length_penalty=0.6, max_extra_le
         max_extra_length: output length limit = source length + this (50).
         num_return: how many hypotheses per sentence to return (n-best).
         max_length: optional fixed output length limit instead.
+        min_length: EOS is not allowed before this many tokens (EOS
+            included), unless the length limit forces it.
         use_cache: incremental decoding with the key/value cache.
 
     Returns:
@@ -113,7 +118,7 @@ def beam_search(model, source_ids, beam_size=4, length_penalty=0.6, max_extra_le
         raise ValueError(f"num_return={num_return} must be <= beam_size={beam_size}.")
     if not length_penalty >= 0:
         raise ValueError(f"length_penalty must be a number >= 0; got {length_penalty!r}.")
-    setup = _Setup(model, source_ids, max_length, max_extra_length)
+    setup = _Setup(model, source_ids, max_length, max_extra_length, min_length)
     decoder = (_CachedDecoder if use_cache else _PrefixDecoder)(model, setup, beam_size)
     search = _BeamSearch(model, setup, decoder, beam_size, length_penalty)
     ids, scores, log_probs = search.run()
@@ -125,10 +130,11 @@ def beam_search(model, source_ids, beam_size=4, length_penalty=0.6, max_extra_le
 class _Setup:
     """Encodes the source once and works out the output length limits."""
 
-    def __init__(self, model, source_ids, max_length, max_extra_length):
-        if isinstance(max_extra_length, bool) or not isinstance(max_extra_length, int) \
-                or max_extra_length < 0:
-            raise ValueError(f"max_extra_length must be an integer >= 0; got {max_extra_length!r}.")
+    def __init__(self, model, source_ids, max_length, max_extra_length, min_length):
+        for name, value in (("max_extra_length", max_extra_length), ("min_length", min_length)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0; got {value!r}.")
+        self.min_length = min_length
         if max_length is not None:
             check_positive_int("max_length", max_length)
         config = model.config
@@ -152,16 +158,22 @@ class _Setup:
             limits = ops.full((self.batch,), max_length, "int32")
             self.max_len = min(max_length, config.max_length)
         self.limits = ops.clip(limits, 1, config.max_length)  # (batch,) tokens incl. EOS
+        self.is_eos = ops.equal(ops.arange(config.target_vocab), config.eos_id)  # (vocab,)
+        self.not_eos = ops.logical_not(self.is_eos)
 
-    def force_eos(self, log_probs, step, beam_size=None):
-        """Leaves only EOS possible where `step` is a sentence's last allowed one.
+    def constrain(self, log_probs, step):
+        """Applies the length limits to one step's log-probabilities.
 
-        log_probs: `(batch, vocab)` or `(batch, beam, vocab)`.
+        EOS is impossible before `min_length` tokens, and the only possibility
+        at a sentence's last allowed step. log_probs: `(batch, vocab)` or
+        `(batch, beam, vocab)`.
         """
         last = ops.greater_equal(step, self.limits - 1)  # (batch,)
         last = ops.reshape(last, (-1,) + (1,) * (len(log_probs.shape) - 1))
-        is_eos = ops.equal(ops.arange(ops.shape(log_probs)[-1]), self.config.eos_id)
-        return ops.where(ops.logical_and(last, ops.logical_not(is_eos)), NEG_INF, log_probs)
+        if self.min_length > 1:
+            too_early = ops.logical_and(self.is_eos, step < self.min_length - 1)
+            log_probs = ops.where(too_early, NEG_INF, log_probs)
+        return ops.where(ops.logical_and(last, self.not_eos), NEG_INF, log_probs)
 
 
 def _repeat(tensor, times):
@@ -258,7 +270,7 @@ class _BeamSearch:
         logits, decoder_state = self.decoder.step(state["last"], state["alive"], step,
                                                   state["decoder_state"])
         log_probs = ops.reshape(ops.log_softmax(logits, axis=-1), (batch, beam, -1))
-        log_probs = self.setup.force_eos(log_probs, step)
+        log_probs = self.setup.constrain(log_probs, step)
         vocab = ops.shape(log_probs)[-1]
         candidates = ops.reshape(state["alive_log_probs"][:, :, None] + log_probs, (batch, -1))
         top_log_probs, top_index = ops.top_k(candidates, k=beam)  # (batch, beam)

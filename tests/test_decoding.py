@@ -198,3 +198,12 @@ def test_source_of_wrong_rank_is_reported():
     with pytest.raises(ValueError, match="max_extra_length"):
         kt.greedy_search(model, np.array([[5, 6]], "int32"), max_extra_length=-2)
     assert keras.backend.backend() == "tensorflow"
+
+
+def test_min_length_suppresses_early_eos(reverse_model):
+    sources = _unseen_sources(6, seed=37)
+    for result in (kt.greedy_search(reverse_model.model, sources, min_length=12, max_length=12),
+                   kt.beam_search(reverse_model.model, sources, min_length=12, max_length=12)):
+        assert all(len(h) == 12 and h[-1] == 3 for h in _strip(result.ids))
+    with pytest.raises(ValueError, match="min_length must be an integer >= 0"):
+        kt.greedy_search(reverse_model.model, sources, min_length=-1)
