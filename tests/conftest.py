@@ -47,3 +47,14 @@ def reverse_model():
               callbacks=[_StopAtAccuracy(0.999)], verbose=0)
     return types.SimpleNamespace(model=model, seconds=seconds, accuracy=accuracy,
                                  vocab=REVERSE_VOCAB)
+
+
+@pytest.fixture(scope="session")
+def multi30k_dir():
+    """The shared Multi30k EN-DE copy beside the checkout (../shared/data/multi30k)."""
+    import pathlib
+
+    directory = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "multi30k"
+    if not (directory / "train.en").exists():
+        pytest.skip(f"Multi30k not found at {directory}")
+    return directory

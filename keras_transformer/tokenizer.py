@@ -1,0 +1,162 @@
+"""A shared SentencePiece vocabulary (the paper's shared source-target BPE,
+§5.1), trained with `sentencepiece` and applied in-graph with
+`tensorflow_text`, so the same tokenizer object goes into exported SavedModels.
+
+Special ids (the `TransformerConfig` defaults): 0 `<pad>`, 1 `<unk>`,
+2 `<s>` (BOS), 3 `</s>` (EOS).
+
+Normalization, i.e. what `detokenize(tokenize(text))` gives back
+(`Tokenizer.normalize` in Python): Unicode NFKC, then leading and trailing
+spaces removed and runs of spaces collapsed to one (other whitespace, such as
+tabs, is kept). Characters outside the vocabulary round-trip through UTF-8
+byte pieces (byte fallback), so no text is lost to `<unk>`.
+
+Shape legend: strings (batch,); ids (batch, length) int32, ragged or padded.
+"""
+
+import io
+import os
+import re
+import tempfile
+import unicodedata
+
+import sentencepiece
+import tensorflow as tf
+import tensorflow_text
+
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+_SPACES = re.compile(" +")
+
+
+class Tokenizer:
+    """A SentencePiece model with in-graph tokenization and detokenization.
+
+    Example:
+    >>> tokenizer = Tokenizer.train(["a cat sat on the mat", "the dog sat"] * 20, vocab_size=280)
+    >>> ids = tokenizer.encode(["the cat sat"])  # (1, length), EOS-terminated
+    >>> [s.decode() for s in tokenizer.decode(ids).numpy()]
+    ['the cat sat']
+    """
+
+    def __init__(self, model_proto):
+        self.model_proto = bytes(model_proto)
+        self.processor = sentencepiece.SentencePieceProcessor(model_proto=self.model_proto)
+
+    def _ops(self):
+        """The tf-text tokenizer, created where it is used.
+
+        Its SentencePiece resource is owned by a kernel: one created eagerly is
+        destroyed when TensorFlow clears its eager kernel cache (as
+        `tf.random.set_seed` / `keras.utils.set_random_seed` do). Created per
+        eager call, or inside the `tf.function`/`tf.data` graph that uses it
+        (where the model is parsed once per function), it cannot go stale.
+        """
+        return tensorflow_text.SentencepieceTokenizer(model=self.model_proto, out_type=tf.int32)
+
+    @classmethod
+    def train(cls, texts, vocab_size, path=None, model_type="bpe", character_coverage=1.0,
+              max_sentences=2_000_000):
+        """Trains a vocabulary of `vocab_size` pieces on an iterable of strings.
+
+        Args:
+            texts: iterable of sentences (both languages, for a shared vocabulary).
+            vocab_size: number of pieces, the special ids included.
+            path: if given, where to save the model (`save`).
+            model_type: `"bpe"` (the paper's byte-pair encoding) or `"unigram"`.
+            character_coverage: share of characters kept as pieces (1.0: all;
+                the rest go through byte fallback).
+            max_sentences: at most this many sentences are sampled for training.
+
+        Raises:
+            ValueError: empty corpus, or a vocabulary the corpus cannot support.
+        """
+        sentences = [line for line in (str(t).strip() for t in texts) if line]
+        if not sentences:
+            raise ValueError("Cannot train a vocabulary on an empty corpus (no non-empty line).")
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 8:
+            raise ValueError(f"vocab_size must be an integer >= 8; got {vocab_size!r}.")
+        model = io.BytesIO()
+        try:
+            sentencepiece.SentencePieceTrainer.train(
+                sentence_iterator=iter(sentences), model_writer=model, vocab_size=vocab_size,
+                model_type=model_type, character_coverage=character_coverage,
+                pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
+                byte_fallback=True, normalization_rule_name="nfkc",
+                input_sentence_size=max_sentences, shuffle_input_sentence=True,
+                num_threads=os.cpu_count() or 1, minloglevel=2,
+            )
+        except RuntimeError as error:
+            limit = re.search(r"<= (\d+)", str(error))
+            if limit:
+                raise ValueError(
+                    f"vocab_size={vocab_size} is too large for this corpus: SentencePiece can "
+                    f"build at most {limit.group(1)} pieces from it. Use a vocabulary of at most "
+                    f"{limit.group(1)} or train on more text.") from None
+            smaller = re.search(r"smaller than required_chars\. (\d+) vs (\d+)", str(error))
+            if smaller:
+                raise ValueError(
+                    f"vocab_size={vocab_size} is too small for this corpus: it needs at least "
+                    f"{smaller.group(2)} pieces (256 bytes for byte fallback, the special ids and "
+                    f"every character of the corpus).") from None
+            raise ValueError(f"SentencePiece could not train a vocabulary: {error}") from None
+        tokenizer = cls(model.getvalue())
+        if path is not None:
+            tokenizer.save(path)
+        return tokenizer
+
+    @classmethod
+    def load(cls, path):
+        """Loads a model saved with `save` (a SentencePiece `.model` file)."""
+        with open(path, "rb") as handle:
+            return cls(handle.read())
+
+    def save(self, path):
+        """Writes the SentencePiece model to `path` atomically (never half-written)."""
+        directory = os.path.dirname(os.path.abspath(path))
+        os.makedirs(directory, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(dir=directory, prefix=".tokenizer-")
+        with os.fdopen(handle, "wb") as file:
+            file.write(self.model_proto)
+        os.replace(temporary, path)
+
+    @property
+    def vocab_size(self):
+        return self.processor.get_piece_size()
+
+    @staticmethod
+    def normalize(text):
+        """The text that a tokenize/detokenize round trip gives back (see module docstring)."""
+        return _SPACES.sub(" ", unicodedata.normalize("NFKC", text)).strip(" ")
+
+    def tokenize(self, strings):
+        """Strings `(batch,)` -> ragged int32 ids `(batch, (length))`, no BOS/EOS."""
+        return self._ops().tokenize(strings)
+
+    def encode(self, strings, max_length=None, add_eos=True):
+        """Strings `(batch,)` -> padded int32 ids `(batch, length)` for Keras layers.
+
+        Appends EOS when `add_eos`; with `max_length`, longer sentences are
+        truncated (keeping the EOS last) and the result is padded to
+        `max_length`.
+        """
+        ids = self.tokenize(strings)
+        if max_length is not None:
+            ids = ids[:, : max_length - (1 if add_eos else 0)]
+        if add_eos:
+            eos = tf.fill([ids.nrows(), 1], tf.constant(EOS_ID, tf.int32))
+            ids = tf.concat([ids, eos], axis=1)
+        shape = None if max_length is None else [None, max_length]
+        return ids.to_tensor(default_value=PAD_ID, shape=shape)
+
+    def detokenize(self, ids):
+        """Ragged or padded ids -> strings; special ids are dropped."""
+        if not isinstance(ids, tf.RaggedTensor):
+            ids = tf.RaggedTensor.from_tensor(tf.convert_to_tensor(ids, tf.int32))
+        keep = tf.logical_or(ids > EOS_ID, tf.equal(ids, UNK_ID))  # drop <pad>, <s>, </s>
+        return self._ops().detokenize(tf.ragged.boolean_mask(ids, keep))
+
+    def decode(self, ids):
+        """Decoder output `(batch, length)` -> strings, cut at the first EOS."""
+        ids = tf.convert_to_tensor(ids, tf.int32)
+        before_eos = tf.equal(tf.cumsum(tf.cast(tf.equal(ids, EOS_ID), tf.int32), axis=1), 0)
+        return self.detokenize(tf.ragged.boolean_mask(ids, before_eos))
