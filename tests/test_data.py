@@ -1,0 +1,107 @@
+import urllib.error
+
+import pytest
+
+from keras_transformer import data
+from keras_transformer.synthetic import ARTICLES, SyntheticLanguagePair
+
+
+def test_synthetic_corpus_is_deterministic_and_splits_are_disjoint():
+    first, second = data.load_corpus("synthetic"), data.load_corpus("synthetic")
+    assert first.splits == second.splits
+    sizes = {name: len(sources) for name, (sources, _) in first.splits.items()}
+    assert sizes == data.SYNTHETIC_SIZES
+    train, val, test = (set(first[name][0]) for name in ("train", "val", "test"))
+    assert not (train & val) and not (train & test) and not (val & test)
+
+
+def test_synthetic_pair_needs_real_translation():
+    pair = SyntheticLanguagePair()
+    splits = pair.corpus({"train": 3000})
+    sources, targets = splits["train"]
+    lengths = [len(s.split()) for s in sources]
+    assert min(lengths) >= 3 and max(lengths) <= 25
+    assert all(len(s.split()) == len(t.split()) for s, t in zip(sources, targets))  # word for word
+    source_words = {w for s in sources for w in s.split()}
+    assert 200 <= len(source_words) <= 1000  # a few hundred words
+    assert any(ch in "äöüß" for t in targets for ch in t)  # UTF-8 beyond ASCII
+    verbs = {t for _, t in pair.transitive} | {t for _, t in pair.intransitive}
+    for target in targets:  # SOV: every clause ends with an agreeing verb
+        for clause in target.split(" und "):
+            last = clause.split()[-1]
+            assert any(last in (verb + "t", verb + "en") for verb in verbs), clause
+    nouns = {s: gender for s, _, gender in pair.nouns}
+    checked = 0
+    for source, target in zip(sources, targets):  # subject article agrees with the noun
+        words, translated = source.split(), target.split()
+        if words[0] == "the" and words[1] in nouns:
+            assert translated[0] == ARTICLES[(True, nouns[words[1]], "nom")]
+            checked += 1
+    assert checked > 50
+
+
+def test_synthetic_direction_can_be_reversed():
+    forward = data.load_corpus("synthetic")
+    backward = data.load_corpus("synthetic", source_lang="de", target_lang="en")
+    assert backward["val"] == (forward["val"][1], forward["val"][0])
+
+
+def test_aligned_files_are_read(tmp_path):
+    (tmp_path / "a.src").write_text("one\n two \nthree\n", encoding="utf-8")
+    (tmp_path / "a.tgt").write_text("eins\nzwei\ndrei\n", encoding="utf-8")
+    corpus = data.load_corpus(f"files:{tmp_path / 'a.src'},{tmp_path / 'a.tgt'}")
+    assert corpus["train"] == (["one", "two", "three"], ["eins", "zwei", "drei"])
+
+
+@pytest.mark.parametrize(
+    "source, target, message",
+    [
+        (None, b"x\n", "no such file"),
+        (b"ok\n\xff\xfe bad\n", b"a\nb\n", "line 2: not valid UTF-8"),
+        (b"a\nb\nc\n", b"a\nb\n", "has 3 lines but"),
+        (b"\n\n", b"\n\n", "the corpus is empty"),
+    ],
+)
+def test_bad_files_give_a_message_naming_the_problem(tmp_path, source, target, message):
+    source_path, target_path = tmp_path / "s.txt", tmp_path / "t.txt"
+    if source is not None:
+        source_path.write_bytes(source)
+    target_path.write_bytes(target)
+    with pytest.raises(data.CorpusError, match=message):
+        data.load_corpus(f"files:{source_path},{target_path}")
+
+
+def test_unknown_dataset_lists_the_known_ones():
+    with pytest.raises(data.CorpusError, match=r"Unknown dataset 'wmt14'; use one of \['synthetic'"):
+        data.load_corpus("wmt14")
+
+
+def test_multi30k_local_copy_is_verified_and_loaded(multi30k_dir):
+    corpus = data.load_corpus("multi30k", data_dir=multi30k_dir)
+    assert [len(corpus[name][0]) for name in ("train", "val", "test")] == [29000, 1014, 1000]
+    assert corpus["val"][0][0].startswith("A group of men")
+    reverse = data.load_corpus("multi30k", data_dir=multi30k_dir, source_lang="de", target_lang="en")
+    assert reverse["val"][1][0] == corpus["val"][0][0]
+
+
+def test_multi30k_corrupt_copy_is_refused(multi30k_dir, tmp_path):
+    for name in data.MULTI30K_SHA256:
+        (tmp_path / name).write_bytes((multi30k_dir / name).read_bytes())
+    (tmp_path / "val.de").write_text("tampered\n", encoding="utf-8")
+    with pytest.raises(data.CorpusError, match="val.de: sha256 mismatch"):
+        data.load_corpus("multi30k", data_dir=tmp_path)
+
+
+def test_multi30k_offline_says_what_to_download_and_where(tmp_path, monkeypatch):
+    monkeypatch.setenv("KERAS_TRANSFORMER_CACHE", str(tmp_path))
+
+    def offline(*args, **kwargs):
+        raise urllib.error.URLError("no network")
+
+    monkeypatch.setattr(data.urllib.request, "urlopen", offline)
+    with pytest.raises(data.CorpusError) as error:
+        data.load_corpus("multi30k")
+    message = str(error.value)
+    assert "Offline?" in message and str(tmp_path / "multi30k") in message
+    assert "train.en" in message and "--data-dir" in message
+    assert not any((tmp_path / "multi30k").iterdir())  # nothing half-written
