@@ -1,5 +1,7 @@
 import urllib.error
 
+import numpy as np
+
 import pytest
 
 from keras_transformer import data
@@ -105,3 +107,46 @@ def test_multi30k_offline_says_what_to_download_and_where(tmp_path, monkeypatch)
     assert "Offline?" in message and str(tmp_path / "multi30k") in message
     assert "train.en" in message and "--data-dir" in message
     assert not any((tmp_path / "multi30k").iterdir())  # nothing half-written
+
+
+@pytest.fixture(scope="module")
+def synthetic_tokenized():
+    from keras_transformer.tokenizer import Tokenizer
+
+    sources, targets = data.load_corpus("synthetic")["train"]
+    return sources[:1500], targets[:1500], Tokenizer.train(sources + targets, vocab_size=800)
+
+
+def test_dataset_batches_by_tokens_in_padded_buckets(synthetic_tokenized):
+    sources, targets, tokenizer = synthetic_tokenized
+    dataset, info = data.make_dataset(sources, targets, tokenizer, batch_tokens=512, max_length=32)
+    lengths = np.maximum(tokenizer.tokenize(sources).row_lengths().numpy(),
+                         tokenizer.tokenize(targets).row_lengths().numpy()) + 1
+    assert info.dropped == int((lengths > 32).sum()) > 0
+    assert info.examples + info.dropped == 1500
+    seen = []
+    for inputs, labels in dataset:
+        source, target_in, labels = (np.asarray(t) for t in (inputs["source_ids"], inputs["target_ids"], labels))
+        batch, length = source.shape
+        assert target_in.shape == labels.shape == (batch, length)
+        assert length % 8 == 0 and length <= 32 and batch * length <= 512
+        assert np.all(target_in[:, 0] == 2)  # BOS
+        for row_in, row_out, row_source in zip(target_in, labels, source):
+            real = row_out[row_out != 0]
+            assert real[-1] == 3 and np.array_equal(row_in[1:len(real)], real[:-1])  # shifted by one
+            seen.append(tuple(row_source[row_source != 0]))
+    assert len(seen) == info.examples == len(set(seen))  # each kept pair exactly once
+    assert len(list(dataset)) == info.batches == int(dataset.cardinality())
+
+
+def test_dataset_trains_with_fit(synthetic_tokenized):
+    import keras_transformer as kt
+
+    sources, targets, tokenizer = synthetic_tokenized
+    dataset, _ = data.make_dataset(sources[:300], targets[:300], tokenizer, batch_tokens=1024,
+                                   max_length=64)
+    model = kt.Transformer.from_preset("tiny", vocab_size=tokenizer.vocab_size)
+    kt.compile_transformer(model, warmup_steps=50)
+    history = model.fit(dataset, epochs=2, shuffle=False, verbose=0)
+    assert np.all(np.isfinite(history.history["loss"]))
+    assert history.history["loss"][1] < history.history["loss"][0]
