@@ -17,6 +17,15 @@ def multi30k_tokenizer(multi30k_dir):
     return Tokenizer.train(texts, vocab_size=4000)
 
 
+@pytest.fixture(scope="module")
+def tokenizer():
+    """Trained on the built-in synthetic corpus (always available) plus a little English."""
+    sources, targets = kt.load_corpus("synthetic")["train"]
+    english = ["A man is sleeping.", "Two young, White males are outside near many bushes.",
+               "A little girl climbing into a wooden playhouse.", "A dog runs.", "A cat."] * 20
+    return Tokenizer.train(sources + targets + english, vocab_size=1000)
+
+
 @pytest.mark.parametrize("language", ["en", "de"])
 def test_round_trip_of_every_multi30k_val_sentence(multi30k_tokenizer, multi30k_dir, language):
     sentences = _lines(multi30k_dir / f"val.{language}")
@@ -33,43 +42,43 @@ def test_round_trip_of_every_multi30k_val_sentence(multi30k_tokenizer, multi30k_
     assert graph == expected
 
 
-def test_special_ids_match_the_model_defaults(multi30k_tokenizer):
-    config = kt.TransformerConfig.from_preset("tiny", vocab_size=multi30k_tokenizer.vocab_size)
-    pieces = [multi30k_tokenizer.processor.id_to_piece(i) for i in range(4)]
+def test_special_ids_match_the_model_defaults(tokenizer):
+    config = kt.TransformerConfig.from_preset("tiny", vocab_size=tokenizer.vocab_size)
+    pieces = [tokenizer.processor.id_to_piece(i) for i in range(4)]
     assert pieces == ["<pad>", "<unk>", "<s>", "</s>"]
     assert (config.pad_id, config.bos_id, config.eos_id) == (0, 2, 3)
-    assert multi30k_tokenizer.vocab_size == 4000
+    assert tokenizer.vocab_size == 1000
 
 
-def test_encode_pads_appends_eos_and_truncates(multi30k_tokenizer):
-    ids = multi30k_tokenizer.encode(["A man.", "Two young, White males are outside near many bushes."])
+def test_encode_pads_appends_eos_and_truncates(tokenizer):
+    ids = tokenizer.encode(["A man.", "Two young, White males are outside near many bushes."])
     ids = np.asarray(ids)
     assert ids.dtype == np.int32 and ids.shape[0] == 2
     short = ids[0][ids[0] != 0]
     assert short[-1] == 3 and np.all(ids[0][len(short):] == 0)
-    clipped = np.asarray(multi30k_tokenizer.encode(["Two young, White males are outside."], max_length=4))
+    clipped = np.asarray(tokenizer.encode(["Two young, White males are outside."], max_length=4))
     assert clipped.shape == (1, 4) and clipped[0, -1] == 3
 
 
-def test_decode_stops_at_the_first_eos(multi30k_tokenizer):
-    ids = np.asarray(multi30k_tokenizer.encode(["A dog runs.", "A cat."]))
+def test_decode_stops_at_the_first_eos(tokenizer):
+    ids = np.asarray(tokenizer.encode(["A dog runs.", "A cat."]))
     joined = np.concatenate([ids[:1, :ids[0].tolist().index(3) + 1], ids[1:, :3]], axis=1)
-    assert multi30k_tokenizer.decode(joined).numpy()[0].decode() == "A dog runs."
+    assert tokenizer.decode(joined).numpy()[0].decode() == "A dog runs."
 
 
 @pytest.mark.parametrize("text", ["emoji 😀 ok", "日本語のテキスト", "tab\tinside", "a\x00b",
                                   "\u00a0non-breaking  spaces  ", "ﬁ ligature"])
-def test_text_outside_the_vocabulary_round_trips(multi30k_tokenizer, text):
-    back = multi30k_tokenizer.decode(multi30k_tokenizer.encode([text])).numpy()[0].decode()
+def test_text_outside_the_vocabulary_round_trips(tokenizer, text):
+    back = tokenizer.decode(tokenizer.encode([text])).numpy()[0].decode()
     assert back == Tokenizer.normalize(text)
 
 
-def test_save_and_load_give_the_same_ids(multi30k_tokenizer, tmp_path):
+def test_save_and_load_give_the_same_ids(tokenizer, tmp_path):
     path = tmp_path / "run" / "tokenizer.model"
-    multi30k_tokenizer.save(path)
+    tokenizer.save(path)
     loaded = Tokenizer.load(path)
     sentences = ["A little girl climbing into a wooden playhouse."]
-    np.testing.assert_array_equal(loaded.encode(sentences), multi30k_tokenizer.encode(sentences))
+    np.testing.assert_array_equal(loaded.encode(sentences), tokenizer.encode(sentences))
     assert [p.name for p in path.parent.iterdir()] == ["tokenizer.model"]  # no temporary left
 
 
@@ -83,7 +92,7 @@ def test_empty_corpus_is_reported():
         Tokenizer.train(["", "   "], vocab_size=100)
 
 
-def test_survives_reseeding_tensorflow(multi30k_tokenizer):
-    before = np.asarray(multi30k_tokenizer.encode(["A dog."]))
+def test_survives_reseeding_tensorflow(tokenizer):
+    before = np.asarray(tokenizer.encode(["A dog."]))
     tf.random.set_seed(1)  # clears TensorFlow's eager kernel cache
-    np.testing.assert_array_equal(multi30k_tokenizer.encode(["A dog."]), before)
+    np.testing.assert_array_equal(tokenizer.encode(["A dog."]), before)
