@@ -28,6 +28,25 @@ PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 _SPACES = re.compile(" +")
 
 
+# SentencePiece's trainer errors that a user can act on, and what to tell them.
+_TRAINING_ERRORS = (
+    (re.compile(r"<= (\d+)"),
+     "vocab_size={vocab_size} is too large for this corpus: SentencePiece can build at most "
+     "{0} pieces from it. Use a vocabulary of at most {0} or train on more text."),
+    (re.compile(r"smaller than required_chars\. \d+ vs (\d+)"),
+     "vocab_size={vocab_size} is too small for this corpus: it needs at least {0} pieces "
+     "(256 bytes for byte fallback, the special ids and every character of the corpus)."),
+)
+
+
+def _training_error_message(error, vocab_size):
+    for pattern, message in _TRAINING_ERRORS:
+        match = pattern.search(error)
+        if match:
+            return message.format(*match.groups(), vocab_size=vocab_size)
+    return f"SentencePiece could not train a vocabulary: {error}"
+
+
 class Tokenizer:
     """A SentencePiece model with in-graph tokenization and detokenization.
 
@@ -86,19 +105,7 @@ class Tokenizer:
                 num_threads=os.cpu_count() or 1, minloglevel=2,
             )
         except RuntimeError as error:
-            limit = re.search(r"<= (\d+)", str(error))
-            if limit:
-                raise ValueError(
-                    f"vocab_size={vocab_size} is too large for this corpus: SentencePiece can "
-                    f"build at most {limit.group(1)} pieces from it. Use a vocabulary of at most "
-                    f"{limit.group(1)} or train on more text.") from None
-            smaller = re.search(r"smaller than required_chars\. (\d+) vs (\d+)", str(error))
-            if smaller:
-                raise ValueError(
-                    f"vocab_size={vocab_size} is too small for this corpus: it needs at least "
-                    f"{smaller.group(2)} pieces (256 bytes for byte fallback, the special ids and "
-                    f"every character of the corpus).") from None
-            raise ValueError(f"SentencePiece could not train a vocabulary: {error}") from None
+            raise ValueError(_training_error_message(str(error), vocab_size)) from None
         tokenizer = cls(model.getvalue())
         if path is not None:
             tokenizer.save(path)

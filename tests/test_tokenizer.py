@@ -96,3 +96,8 @@ def test_survives_reseeding_tensorflow(tokenizer):
     before = np.asarray(tokenizer.encode(["A dog."]))
     tf.random.set_seed(1)  # clears TensorFlow's eager kernel cache
     np.testing.assert_array_equal(tokenizer.encode(["A dog."]), before)
+
+
+def test_vocabulary_too_small_for_the_characters_is_reported():
+    with pytest.raises(ValueError, match=r"vocab_size=100 is too small for this corpus: it needs at least \d+"):
+        Tokenizer.train(["abcdefghij klmnopqrst"] * 10, vocab_size=100)
