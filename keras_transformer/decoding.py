@@ -208,7 +208,7 @@ class _PrefixDecoder:
     def __init__(self, model, setup, beam_size):
         self.model, self.setup, self.beam_size = model, setup, beam_size
         self.memory = _repeat(setup.memory, beam_size)
-        self.source_ids = _repeat(setup.source_ids, beam_size)
+        self.memory_mask = _repeat(setup.memory_mask, beam_size)
 
     def initial_state(self):
         return ops.zeros((), "int32")  # nothing to carry
@@ -217,7 +217,7 @@ class _PrefixDecoder:
         prefix = ops.reshape(prefix, (-1, ops.shape(prefix)[-1]))  # (batch * beam, max_len)
         bos = ops.full((ops.shape(prefix)[0], 1), self.model.config.bos_id, "int32")
         inputs = ops.concatenate([bos, prefix[:, :step]], axis=1)  # (batch * beam, step + 1)
-        logits = self.model.decode(inputs, self.memory, self.source_ids, training=False)
+        logits = self.model._decode(inputs, self.memory, self.memory_mask, training=False)
         return logits[:, -1], state
 
     @staticmethod

@@ -108,24 +108,30 @@ class Transformer(keras.Model):
 
     def call(self, inputs, training=None):
         source_ids, target_ids = _unpack_inputs(inputs)
-        memory = self.encode(source_ids, training=training)
-        return self.decode(target_ids, memory, source_ids, training=training)
+        source_mask = padding_mask(source_ids, self.config.pad_id)  # built once, used by both halves
+        memory = self._encode(source_ids, source_mask, training)
+        return self._decode(target_ids, memory, source_mask, training)
 
     def encode(self, source_ids, training=False):
         """Source ids `(batch, len_src)` -> memory `(batch, len_src, d_model)`."""
-        return self.encoder(
-            self.source_embedding(source_ids),
-            attention_mask=padding_mask(source_ids, self.config.pad_id),
-            training=training,
-        )
+        return self._encode(source_ids, padding_mask(source_ids, self.config.pad_id), training)
 
     def decode(self, target_ids, memory, source_ids, training=False):
         """Right-shifted target ids `(batch, len_tgt)` + memory -> logits `(batch, len_tgt, vocab)`."""
+        return self._decode(target_ids, memory, padding_mask(source_ids, self.config.pad_id),
+                            training)
+
+    def _encode(self, source_ids, source_mask, training):
+        return self.encoder(self.source_embedding(source_ids), attention_mask=source_mask,
+                            training=training)
+
+    def _decode(self, target_ids, memory, source_mask, training):
+        """`decode` with the source padding mask `(batch, 1, len_src)` already built."""
         hidden = self.decoder(
             self.target_embedding(target_ids),
             memory,
             target_mask=padding_mask(target_ids, self.config.pad_id),
-            memory_mask=padding_mask(source_ids, self.config.pad_id),
+            memory_mask=source_mask,
             training=training,
         )
         return self.project(hidden)
