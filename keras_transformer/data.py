@@ -6,9 +6,9 @@ Multi30k EN-DE (downloaded into a cache, or read from a local copy).
     load_corpus("multi30k", data_dir="../shared/data/multi30k", source_lang="en", target_lang="de")
 
 A `Corpus` holds splits of (sources, targets) string lists. Every problem
-with the input is a `CorpusError` (a `ValueError`) whose message names the
-file, the line and what to do. `make_dataset` turns a split into batches for
-`model.fit`.
+with the input is a `CorpusError` (a `UserError`) whose message names the
+file, the line and what to do. `batching.py` turns a split into batches for
+`model.fit` (`make_dataset`, `TokenizedPairs`).
 """
 
 import dataclasses
@@ -21,11 +21,9 @@ import tempfile
 import urllib.error
 import urllib.request
 
-import numpy as np
-import tensorflow as tf
-
+from keras_transformer.batching import DatasetInfo, TokenizedPairs, make_dataset  # noqa: F401
 from keras_transformer.synthetic import SyntheticLanguagePair
-from keras_transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from keras_transformer.validation import UserError
 
 DATASETS = ("synthetic", "multi30k", "files:SRC,TGT")
 SYNTHETIC_SIZES = {"train": 20000, "val": 500, "test": 500}
@@ -41,7 +39,7 @@ MULTI30K_SHA256 = {
 }
 
 
-class CorpusError(ValueError):
+class CorpusError(UserError):
     """A corpus that cannot be used, with a message that says why and what to do."""
 
 
@@ -160,81 +158,3 @@ def _download(name, path):
     with os.fdopen(handle, "wb") as file:
         file.write(gzip.decompress(compressed))
     shutil.move(temporary, path)
-
-
-@dataclasses.dataclass
-class DatasetInfo:
-    """What `make_dataset` kept: examples, dropped (too long), batches per epoch, padded lengths."""
-
-    examples: int
-    dropped: int
-    batches: int
-    bucket_lengths: tuple
-
-
-def make_dataset(sources, targets, tokenizer, batch_tokens=4096, max_length=256,
-                 bucket_width=8, shuffle=True, seed=0):
-    """Batches of token ids for `model.fit`, bucketed by length and sized by tokens.
-
-    Sentences are tokenized (SentencePiece, in-graph); a pair whose source or
-    target needs more than `max_length` ids (EOS/BOS included) is dropped and
-    counted. Pairs are grouped by length into buckets `bucket_width` apart and
-    padded to the bucket's length L; a bucket's batches hold `batch_tokens // L`
-    pairs (the paper batches by ~25000 tokens, §5.1). Every batch therefore has
-    one of a few shapes, so `fit` traces its step a bounded number of times.
-
-    Returns:
-        `(dataset, info)`: the dataset yields `({"source_ids": (batch, L),
-        "target_ids": (batch, L)}, labels (batch, L))` int32, target_ids =
-        BOS + target, labels = target + EOS; `info` is a `DatasetInfo`. The
-        dataset reshuffles itself every epoch: call `fit(..., shuffle=False)`.
-    """
-    if batch_tokens < 1 or max_length < 1 or bucket_width < 1:
-        raise ValueError("batch_tokens, max_length and bucket_width must be positive integers.")
-    source_ids = tokenizer.tokenize(tf.constant(list(sources)))
-    target_ids = tokenizer.tokenize(tf.constant(list(targets)))
-    lengths = np.maximum(source_ids.row_lengths().numpy(), target_ids.row_lengths().numpy()) + 1
-    keep = lengths <= max_length
-    source_ids = tf.ragged.boolean_mask(source_ids, keep)
-    target_ids = tf.ragged.boolean_mask(target_ids, keep)
-    boundaries = list(range(bucket_width, max_length + bucket_width, bucket_width))
-    padded = [min(b, max_length) for b in boundaries]
-    dataset = tf.data.Dataset.from_tensor_slices((source_ids, target_ids))
-    if shuffle:
-        dataset = dataset.shuffle(int(keep.sum()) or 1, seed=seed, reshuffle_each_iteration=True)
-
-    def add_specials(source, target):
-        eos, bos = tf.constant([EOS_ID], tf.int32), tf.constant([BOS_ID], tf.int32)
-        return tf.concat([source, eos], 0), tf.concat([bos, target], 0), tf.concat([target, eos], 0)
-
-    dataset = dataset.map(add_specials, num_parallel_calls=tf.data.AUTOTUNE)
-    dataset = dataset.bucket_by_sequence_length(
-        element_length_func=lambda source, target_in, labels: tf.maximum(
-            tf.shape(source)[0], tf.shape(labels)[0]),
-        bucket_boundaries=[length + 1 for length in padded[:-1]],
-        bucket_batch_sizes=[max(1, batch_tokens // length) for length in padded],
-        padded_shapes=([None], [None], [None]), padding_values=(PAD_ID, PAD_ID, PAD_ID),
-        pad_to_bucket_boundary=False,
-    )
-    dataset = dataset.map(_pad_to_bucket(bucket_width, max_length), num_parallel_calls=tf.data.AUTOTUNE)
-    # The batch count is the same every epoch (each bucket holds the same
-    # pairs); declaring it lets Keras size its epochs (and TF checks it).
-    per_bucket = np.bincount(np.searchsorted(padded, lengths[keep]), minlength=len(padded))
-    batch_sizes = np.array([max(1, batch_tokens // length) for length in padded])
-    batches = int(np.sum(-(-per_bucket // batch_sizes)))
-    dataset = dataset.apply(tf.data.experimental.assert_cardinality(batches))
-    info = DatasetInfo(examples=int(keep.sum()), dropped=int((~keep).sum()), batches=batches,
-                       bucket_lengths=tuple(padded))
-    return dataset.prefetch(tf.data.AUTOTUNE), info
-
-
-def _pad_to_bucket(bucket_width, max_length):
-    def pad(source, target_in, labels):
-        longest = tf.maximum(tf.shape(source)[1], tf.shape(labels)[1])
-        length = tf.minimum((longest + bucket_width - 1) // bucket_width * bucket_width, max_length)
-
-        def to_length(ids):
-            return tf.pad(ids, [[0, 0], [0, length - tf.shape(ids)[1]]], constant_values=PAD_ID)
-
-        return {"source_ids": to_length(source), "target_ids": to_length(target_in)}, to_length(labels)
-    return pad

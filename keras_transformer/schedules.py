@@ -24,6 +24,9 @@ class NoamSchedule(keras.optimizers.schedules.LearningRateSchedule):
         d_model: model width (512 for base).
         warmup_steps: 4000 in the paper.
         scale: a constant factor on the whole schedule (1.0 in the paper).
+        steps_per_update: optimizer calls per weight update under gradient
+            accumulation (Keras evaluates the schedule at every call; the
+            paper's step_num counts updates).
 
     Example:
     >>> schedule = NoamSchedule(d_model=512, warmup_steps=4000)
@@ -31,20 +34,23 @@ class NoamSchedule(keras.optimizers.schedules.LearningRateSchedule):
     0.0006988
     """
 
-    def __init__(self, d_model, warmup_steps=4000, scale=1.0):
+    def __init__(self, d_model, warmup_steps=4000, scale=1.0, steps_per_update=1):
         check_positive_int("d_model", d_model)
         check_positive_int("warmup_steps", warmup_steps)
+        check_positive_int("steps_per_update", steps_per_update)
         if not scale > 0:
             raise ValueError(f"scale must be a number > 0; got {scale!r}.")
         self.d_model = d_model
         self.warmup_steps = warmup_steps
         self.scale = scale
+        self.steps_per_update = steps_per_update
 
     def __call__(self, step):
-        step_num = ops.cast(step, "float32") + 1.0
+        step_num = ops.floor(ops.cast(step, "float32") / self.steps_per_update) + 1.0
         return (self.scale * self.d_model**-0.5) * ops.minimum(
             ops.rsqrt(step_num), step_num * self.warmup_steps**-1.5
         )
 
     def get_config(self):
-        return {"d_model": self.d_model, "warmup_steps": self.warmup_steps, "scale": self.scale}
+        return {"d_model": self.d_model, "warmup_steps": self.warmup_steps, "scale": self.scale,
+                "steps_per_update": self.steps_per_update}

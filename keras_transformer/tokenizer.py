@@ -17,12 +17,14 @@ Shape legend: strings (batch,); ids (batch, length) int32, ragged or padded.
 import io
 import os
 import re
-import tempfile
 import unicodedata
 
 import sentencepiece
 import tensorflow as tf
 import tensorflow_text
+
+from keras_transformer.files import atomic_write
+from keras_transformer.validation import UserError
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 _SPACES = re.compile(" +")
@@ -91,9 +93,9 @@ class Tokenizer:
         """
         sentences = [line for line in (str(t).strip() for t in texts) if line]
         if not sentences:
-            raise ValueError("Cannot train a vocabulary on an empty corpus (no non-empty line).")
+            raise UserError("Cannot train a vocabulary on an empty corpus (no non-empty line).")
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 8:
-            raise ValueError(f"vocab_size must be an integer >= 8; got {vocab_size!r}.")
+            raise UserError(f"vocab_size must be an integer >= 8; got {vocab_size!r}.")
         model = io.BytesIO()
         try:
             sentencepiece.SentencePieceTrainer.train(
@@ -105,7 +107,7 @@ class Tokenizer:
                 num_threads=os.cpu_count() or 1, minloglevel=2,
             )
         except RuntimeError as error:
-            raise ValueError(_training_error_message(str(error), vocab_size)) from None
+            raise UserError(_training_error_message(str(error), vocab_size)) from None
         tokenizer = cls(model.getvalue())
         if path is not None:
             tokenizer.save(path)
@@ -119,12 +121,7 @@ class Tokenizer:
 
     def save(self, path):
         """Writes the SentencePiece model to `path` atomically (never half-written)."""
-        directory = os.path.dirname(os.path.abspath(path))
-        os.makedirs(directory, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(dir=directory, prefix=".tokenizer-")
-        with os.fdopen(handle, "wb") as file:
-            file.write(self.model_proto)
-        os.replace(temporary, path)
+        atomic_write(path, self.model_proto)
 
     @property
     def vocab_size(self):

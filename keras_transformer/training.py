@@ -1,22 +1,88 @@
 """Training set-up as in §5.3-5.4: Adam(0.9, 0.98, 1e-9) on the Noam schedule,
-label-smoothed cross-entropy, padding-aware token accuracy."""
+label-smoothed cross-entropy, padding-aware token accuracy; and the choice of
+`tf.distribute` strategy.
+
+Strategies (`select_strategy`):
+    default       one device (TensorFlow's default strategy);
+    mirrored      `MirroredStrategy` over every local GPU, or every logical
+                  CPU device when there is no GPU;
+    multi-worker  `MultiWorkerMirroredStrategy`, cluster from `TF_CONFIG`
+                  (must be chosen before TensorFlow runs any op);
+    auto          mirrored when there are several local GPUs, else default.
+"""
+
+import json
+import os
 
 import keras
+import tensorflow as tf
 
 from keras_transformer.losses import LabelSmoothedCrossEntropy, MaskedTokenAccuracy
 from keras_transformer.schedules import NoamSchedule
+from keras_transformer.validation import UserError
 
 
-def make_optimizer(d_model, warmup_steps=4000, learning_rate_scale=1.0, **adam_arguments):
-    """Adam with β1 = 0.9, β2 = 0.98, ε = 1e-9 on `NoamSchedule(d_model, warmup_steps)`."""
+def make_optimizer(d_model, warmup_steps=4000, learning_rate_scale=1.0, grad_accum=1,
+                   **adam_arguments):
+    """Adam with β1 = 0.9, β2 = 0.98, ε = 1e-9 on `NoamSchedule(d_model, warmup_steps)`.
+
+    `grad_accum` > 1 averages the gradients of that many batches into one
+    update (a `grad_accum`-times larger batch); the schedule counts updates.
+    """
     arguments = dict(beta_1=0.9, beta_2=0.98, epsilon=1e-9)
+    if grad_accum > 1:
+        arguments["gradient_accumulation_steps"] = grad_accum
     arguments.update(adam_arguments)
-    schedule = NoamSchedule(d_model, warmup_steps=warmup_steps, scale=learning_rate_scale)
+    schedule = NoamSchedule(d_model, warmup_steps=warmup_steps, scale=learning_rate_scale,
+                            steps_per_update=grad_accum)
     return keras.optimizers.Adam(learning_rate=schedule, **arguments)
 
 
+STRATEGIES = ("auto", "default", "mirrored", "multi-worker")
+
+
+def select_strategy(name):
+    """The `tf.distribute.Strategy` called `name` (one of `STRATEGIES`)."""
+    if name not in STRATEGIES:
+        raise UserError(f"--strategy must be one of {list(STRATEGIES)}; got {name!r}.")
+    if name == "multi-worker":
+        cluster = _tf_config_cluster()
+        if sum(len(tasks) for role, tasks in cluster.items() if role in ("chief", "worker")) < 1:
+            raise UserError("--strategy multi-worker needs TF_CONFIG with a cluster of workers, "
+                            'e.g. {"cluster": {"worker": ["host1:port", "host2:port"]}, '
+                            '"task": {"type": "worker", "index": 0}}.')
+        return tf.distribute.MultiWorkerMirroredStrategy()
+    gpus = tf.config.list_logical_devices("GPU")
+    if name == "mirrored":
+        devices = gpus or tf.config.list_logical_devices("CPU")
+        return tf.distribute.MirroredStrategy([device.name for device in devices])
+    if name == "auto" and len(gpus) > 1:
+        return tf.distribute.MirroredStrategy([device.name for device in gpus])
+    return tf.distribute.get_strategy()
+
+
+def _tf_config_cluster():
+    try:
+        config = json.loads(os.environ.get("TF_CONFIG", "") or "{}")
+    except json.JSONDecodeError as error:
+        raise UserError(f"TF_CONFIG is not valid JSON ({error}).") from None
+    cluster = config.get("cluster", {}) if isinstance(config, dict) else {}
+    return cluster if isinstance(cluster, dict) else {}
+
+
+def worker_index(strategy):
+    """`(index, count)` of this worker in a multi-worker cluster; `(0, 1)` otherwise."""
+    resolver = getattr(strategy, "cluster_resolver", None)
+    if not isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) or resolver is None:
+        return 0, 1
+    workers = resolver.cluster_spec().as_dict()
+    count = sum(len(workers.get(role, [])) for role in ("chief", "worker"))
+    index = resolver.task_id + (1 if resolver.task_type == "worker" and "chief" in workers else 0)
+    return index, count
+
+
 def compile_transformer(model, label_smoothing=0.1, warmup_steps=4000, learning_rate_scale=1.0,
-                        optimizer=None, **compile_arguments):
+                        optimizer=None, grad_accum=1, **compile_arguments):
     """Compiles `model` (a `Transformer`) with the paper's objective and optimizer.
 
     Args:
@@ -25,6 +91,7 @@ def compile_transformer(model, label_smoothing=0.1, warmup_steps=4000, learning_
         warmup_steps, learning_rate_scale: of the Noam schedule (ignored when
             `optimizer` is given).
         optimizer: overrides the paper's Adam.
+        grad_accum: batches whose gradients make one update (see `make_optimizer`).
         **compile_arguments: passed to `model.compile` (e.g. `jit_compile`,
             `steps_per_execution`).
 
@@ -33,7 +100,8 @@ def compile_transformer(model, label_smoothing=0.1, warmup_steps=4000, learning_
     """
     config = model.config
     model.compile(
-        optimizer=optimizer or make_optimizer(config.d_model, warmup_steps, learning_rate_scale),
+        optimizer=optimizer or make_optimizer(config.d_model, warmup_steps, learning_rate_scale,
+                                              grad_accum),
         loss=LabelSmoothedCrossEntropy(label_smoothing=label_smoothing, pad_id=config.pad_id),
         metrics=[MaskedTokenAccuracy(pad_id=config.pad_id)],
         **compile_arguments,
@@ -42,4 +110,16 @@ def compile_transformer(model, label_smoothing=0.1, warmup_steps=4000, learning_
         # A built optimizer saves all its slots, so a model saved straight
         # after compiling reloads (Keras refuses an unbuilt saved optimizer).
         model.optimizer.build(model.trainable_variables)
+    return model
+
+
+def build_for_fit(model):
+    """Builds a compiled `Transformer`'s loss, metrics and optimizer before `fit`.
+
+    Call inside the strategy scope. `fit` then has nothing left to build from
+    its first (distributed) batch, which Keras 3.15 cannot do under
+    `MultiWorkerMirroredStrategy` (see `Transformer._maybe_symbolic_build`).
+    """
+    ids = keras.KerasTensor((None, None), "int32")
+    model._symbolic_build(data_batch=({"source_ids": ids, "target_ids": ids}, ids))
     return model

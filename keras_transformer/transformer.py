@@ -99,11 +99,15 @@ class Transformer(keras.Model):
 
     def build(self, input_shape=None):
         hidden_shape = (None, None, self.config.d_model)
+        # Children are built once (a second `build` would add their weights again).
         for embedding in {id(e): e for e in (self.source_embedding, self.target_embedding)}.values():
-            embedding.build()
-        self.encoder.build(hidden_shape)
-        self.decoder.build(hidden_shape, hidden_shape)
-        if self.output_projection is not None:
+            if not embedding.built:
+                embedding.build()
+        if not self.encoder.built:
+            self.encoder.build(hidden_shape)
+        if not self.decoder.built:
+            self.decoder.build(hidden_shape, hidden_shape)
+        if self.output_projection is not None and not self.output_projection.built:
             self.output_projection.build(hidden_shape)
 
     def call(self, inputs, training=None):
@@ -222,6 +226,36 @@ class Transformer(keras.Model):
                 layer.attention_mode = mode
         self.config = dataclasses.replace(self.config, attention_mode=mode)
         self.train_function = self.test_function = self.predict_function = None
+
+    def train_step(self, data):
+        return self._logs_for_multi_worker(super().train_step(data))
+
+    def test_step(self, data):
+        return self._logs_for_multi_worker(super().test_step(data))
+
+    def _logs_for_multi_worker(self, logs):
+        # Keras 3.15 averages each replica's logs across workers with
+        # `strategy.reduce("MEAN", value, axis=0)`, which fails on scalars
+        # (tensorflow/tensorflow#72388); under MultiWorkerMirroredStrategy
+        # the scalars travel as shape (1,) and come back as scalars.
+        import tensorflow as tf
+
+        if not isinstance(self.distribute_strategy, tf.distribute.MultiWorkerMirroredStrategy):
+            return logs
+        return {name: keras.ops.reshape(value, (1,)) if len(value.shape) == 0 else value
+                for name, value in logs.items()}
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        # Keras 3.15's `fit` under a strategy first reduces a distributed batch
+        # with `strategy.reduce` to build the model symbolically;
+        # MultiWorkerMirroredStrategy cannot reduce our dict inputs. When the
+        # model, loss, metrics and optimizer are all built already
+        # (`training.build_for_fit`), there is nothing to build.
+        compiled = (getattr(self, "_compile_loss", None), getattr(self, "_compile_metrics", None),
+                    getattr(self, "optimizer", None))
+        if self.built and all(part is not None and part.built for part in compiled):
+            return
+        super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
 
     def get_config(self):
         return {

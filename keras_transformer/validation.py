@@ -1,11 +1,20 @@
 """Argument checks with messages that say what was wrong and what is allowed,
-and the one serialization registration decorator of the package."""
+the `UserError` base class for problems a user must fix, and the one
+serialization registration decorator of the package."""
 
 import numbers
 
 import keras
 
 register = keras.saving.register_keras_serializable(package="keras_transformer")
+
+
+class UserError(ValueError):
+    """A problem with the user's input (data, arguments, run directory).
+
+    Its message says what was wrong and what to do; the command line prints it
+    as one line and exits with status 2.
+    """
 
 
 def check_positive_int(name, value):

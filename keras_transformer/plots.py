@@ -1,0 +1,79 @@
+"""Figures written to disk (matplotlib, no display needed): the learning curve
+of a run and a grid of attention heads."""
+
+import numpy as np
+
+from keras_transformer.files import atomic_path
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as pyplot
+
+    return pyplot
+
+
+def plot_learning_curve(epochs, path):
+    """Loss and token accuracy per epoch (train and validation) as a PNG.
+
+    Args:
+        epochs: the `metrics.json` entries, dicts with `epoch`, `loss`,
+            `token_accuracy` and optionally `val_loss`, `val_token_accuracy`.
+        path: where the PNG goes.
+    """
+    pyplot = _pyplot()
+    figure, (loss_axis, accuracy_axis) = pyplot.subplots(1, 2, figsize=(10, 4))
+    numbers = [entry["epoch"] for entry in epochs]
+    for key, axis in (("loss", loss_axis), ("token_accuracy", accuracy_axis)):
+        for prefix, style in (("", "-o"), ("val_", "--s")):
+            values = [entry.get(prefix + key) for entry in epochs]
+            if all(value is not None for value in values):
+                axis.plot(numbers, values, style, label=(prefix or "train_").rstrip("_"))
+        axis.set_xlabel("epoch")
+        axis.set_title(key.replace("_", " "))
+        axis.grid(alpha=0.3)
+        axis.legend()
+    figure.tight_layout()
+    _save(figure, path)
+    pyplot.close(figure)
+
+
+def plot_attention(weights, source_tokens, target_tokens, path):
+    """Every head of every attention layer of one sentence, as a PNG grid.
+
+    Args:
+        weights: `Transformer.attention_weights(...)` for a batch of one: a dict
+            of lists of `(1, num_heads, len_q, len_k)` arrays.
+        source_tokens, target_tokens: the pieces labelling the axes (target
+            tokens are the decoder inputs, BOS first).
+        path: where the PNG goes.
+    """
+    pyplot = _pyplot()
+    labels = {"encoder_self": (source_tokens, source_tokens),
+              "decoder_self": (target_tokens, target_tokens),
+              "decoder_cross": (target_tokens, source_tokens)}
+    rows = [(kind, index, np.asarray(layer)[0])
+            for kind in ("encoder_self", "decoder_self", "decoder_cross")
+            for index, layer in enumerate(weights[kind])]
+    heads = rows[0][2].shape[0]
+    cell = max(2.0, 0.25 * max(len(source_tokens), len(target_tokens)))
+    figure, axes = pyplot.subplots(len(rows), heads, figsize=(cell * heads, cell * len(rows)),
+                                   squeeze=False)
+    for row, (kind, index, layer) in enumerate(rows):
+        queries, keys = labels[kind]
+        for head in range(heads):
+            axis = axes[row][head]
+            axis.imshow(layer[head][: len(queries), : len(keys)], cmap="viridis", vmin=0.0)
+            axis.set_xticks(range(len(keys)), keys, rotation=90, fontsize=6)
+            axis.set_yticks(range(len(queries)), queries, fontsize=6)
+            axis.set_title(f"{kind} layer {index + 1} head {head + 1}", fontsize=7)
+    figure.tight_layout()
+    _save(figure, path)
+    pyplot.close(figure)
+
+
+def _save(figure, path):
+    with atomic_path(path, suffix=".png") as temporary:
+        figure.savefig(temporary, dpi=100, format="png")

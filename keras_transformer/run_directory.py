@@ -1,0 +1,113 @@
+"""A training run's directory: everything `train` writes and the other
+commands read.
+
+    runs/NAME/
+      run.json              the settings of the run and the model config
+      tokenizer.model       the shared SentencePiece vocabulary
+      checkpoints/          epoch-NNNN.weights.h5, the last K epochs
+      state/                state.json + weights and optimizer for --resume
+      logs/                 TensorBoard
+      metrics.json          per-epoch loss, accuracy, learning rate, tokens/s; status
+      learning_curve.png    loss and accuracy per epoch (at the end)
+      model.keras           the final model (only once training finished)
+      averaged.keras        written by `keras-transformer average`
+
+Every file is written atomically (temporary name + rename). A directory
+appears only once the input has been checked, so a run that fails on bad
+input leaves nothing that could pass for a result.
+"""
+
+import json
+import os
+import pathlib
+import shutil
+
+from keras_transformer.files import atomic_write
+from keras_transformer.validation import UserError
+
+
+class RunDirectory:
+    """Paths and checks for one run directory (see the module docstring)."""
+
+    def __init__(self, path):
+        self.path = pathlib.Path(path)
+        self.settings_path = self.path / "run.json"
+        self.tokenizer_path = self.path / "tokenizer.model"
+        self.checkpoints_dir = self.path / "checkpoints"
+        self.state_dir = self.path / "state"
+        self.logs_dir = self.path / "logs"
+        self.metrics_path = self.path / "metrics.json"
+        self.curve_path = self.path / "learning_curve.png"
+        self.model_path = self.path / "model.keras"
+        self.averaged_path = self.path / "averaged.keras"
+
+    def exists(self):
+        return self.path.exists() and any(self.path.iterdir())
+
+    def check_can_start(self, resume=False, overwrite=False):
+        """Raises `UserError` when `path` holds something we must not silently reuse."""
+        if resume and overwrite:
+            raise UserError("--resume and --overwrite contradict each other; pass one.")
+        if self.path.exists() and not self.path.is_dir():
+            raise UserError(f"{self.path} exists and is not a directory; choose another --out.")
+        if not self.exists() or overwrite:
+            return
+        if not resume:
+            raise UserError(f"{self.path} already holds a run; pass --resume to continue it, "
+                            f"--overwrite to replace it, or choose another --out.")
+        if not self.settings_path.exists():
+            raise UserError(f"{self.path} is not empty but holds no run.json, so it is not a "
+                            f"run to resume; choose another --out.")
+
+    def create(self, overwrite=False):
+        """Makes the directory (after removing an old run when `overwrite`)."""
+        if overwrite and self.path.exists():
+            shutil.rmtree(self.path)
+        self.path.mkdir(parents=True, exist_ok=True)
+
+    def write_json(self, path, value):
+        atomic_write(path, json.dumps(value, indent=2, sort_keys=True) + "\n")
+
+    def read_json(self, path):
+        with open(path, encoding="utf-8") as file:
+            return json.load(file)
+
+    def settings(self):
+        """`run.json` as a dict; `UserError` when this is not a run directory."""
+        if not self.settings_path.exists():
+            raise UserError(f"{self.path} is not a run directory (no run.json); pass the --out "
+                            f"of a `keras-transformer train` run.")
+        return self.read_json(self.settings_path)
+
+    def tokenizer(self):
+        from keras_transformer.tokenizer import Tokenizer
+
+        if not self.tokenizer_path.exists():
+            raise UserError(f"{self.tokenizer_path} is missing; the run directory is incomplete.")
+        return Tokenizer.load(self.tokenizer_path)
+
+
+def resolve_model(path):
+    """`(RunDirectory, model file)` for `--model`: a run directory or a `.keras` file in one."""
+    path = pathlib.Path(path)
+    if path.suffix == ".keras":
+        run, model_path = RunDirectory(path.parent), path
+    else:
+        run = RunDirectory(path)
+        model_path = run.model_path
+    run.settings()
+    if not model_path.exists():
+        if model_path == run.model_path and run.state_dir.exists():
+            raise UserError(f"{model_path} does not exist: the run has not finished. Finish it with "
+                            f"`keras-transformer train ... --out {run.path} --resume`.")
+        raise UserError(f"{model_path} does not exist.")
+    return run, model_path
+
+
+def load_model(path):
+    """The Keras model at `path`, loaded without its optimizer (safe mode)."""
+    import keras
+
+    import keras_transformer  # noqa: F401  (registers the layers)
+
+    return keras.saving.load_model(os.fspath(path), compile=False, safe_mode=True)

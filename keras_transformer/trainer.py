@@ -1,0 +1,317 @@
+"""`keras-transformer train` as a function: corpus -> vocabulary -> batches ->
+`model.fit` under a `tf.distribute` strategy, into a run directory
+(`run_directory.py`), resumable after a crash.
+
+    result = train(TrainingOptions(data="synthetic", preset="tiny", out="runs/demo", epochs=10))
+
+Order of work: every input is checked (run directory, strategy, corpus,
+vocabulary, model config) before the run directory is created, so bad input
+leaves nothing behind. A resumed run reuses the stored vocabulary and config,
+restores weights, optimizer, epoch and step, and replays the interrupted
+epoch's remaining batches in the same order (`TokenizedPairs.epoch`).
+"""
+
+import dataclasses
+import sys
+import time
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_transformer.batching import TokenizedPairs
+from keras_transformer.checkpoints import EpochCheckpoints, TrainingState, epoch_checkpoints
+from keras_transformer.config import TransformerConfig
+from keras_transformer.data import load_corpus
+from keras_transformer.files import atomic_path
+from keras_transformer.run_directory import RunDirectory
+from keras_transformer.tokenizer import Tokenizer
+from keras_transformer.training import (build_for_fit, compile_transformer, select_strategy,
+                                         worker_index)
+from keras_transformer.transformer import Transformer
+from keras_transformer.validation import UserError
+
+# Settings that define the run: a resumed run must be given the same ones.
+RUN_DEFINING = ("data", "source_lang", "target_lang", "preset", "overrides", "vocab_size",
+                "batch_tokens", "max_length", "warmup_steps", "learning_rate_scale",
+                "label_smoothing", "grad_accum", "mixed_precision", "seed")
+
+
+@dataclasses.dataclass
+class TrainingOptions:
+    """The arguments of `keras-transformer train` (see `cli.py` for their help)."""
+
+    out: str
+    data: str = "synthetic"
+    data_dir: str = None
+    source_lang: str = "en"
+    target_lang: str = "de"
+    preset: str = "small"
+    overrides: dict = dataclasses.field(default_factory=dict)
+    vocab_size: int = 8000
+    epochs: int = 10
+    batch_tokens: int = 4096
+    max_length: int = None  # of training pairs; default: the model's max_length
+    warmup_steps: int = 4000
+    learning_rate_scale: float = 1.0
+    label_smoothing: float = 0.1
+    strategy: str = "auto"
+    mixed_precision: bool = False
+    xla: bool = False
+    grad_accum: int = 1
+    max_minutes: float = None  # stop after the last epoch that fits in this budget
+    keep_checkpoints: int = 5
+    save_every_steps: int = None
+    resume: bool = False
+    overwrite: bool = False
+    seed: int = 0
+    verbose: int = None  # Keras fit verbosity; default: progress bar on a terminal
+
+
+@dataclasses.dataclass
+class TrainingResult:
+    status: str  # "finished" or "stopped: ..."
+    run: RunDirectory
+    epochs: list
+    model: object
+
+
+class NonFiniteLoss(keras.callbacks.Callback):
+    """Stops training at the first NaN/inf loss and remembers where (like `TerminateOnNaN`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.epoch, self.where = 0, None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if logs and "loss" in logs and not np.isfinite(logs["loss"]):
+            self.where = (self.epoch + 1, batch + 1)
+            self.model.stop_training = True
+
+
+class TimeBudget(keras.callbacks.Callback):
+    """Stops after the epoch past which the next one would overrun `seconds` of training."""
+
+    def __init__(self, seconds):
+        super().__init__()
+        self.seconds, self.started, self.epoch_started = seconds, time.perf_counter(), None
+        self.exhausted = False
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch_started = time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs=None):
+        now = time.perf_counter()
+        if now - self.started + (now - self.epoch_started) > self.seconds:
+            self.exhausted = self.model.stop_training = True
+
+
+class MetricsLog(keras.callbacks.Callback):
+    """Writes `metrics.json` after every epoch: one entry per epoch (a re-run epoch replaces its entry)."""
+
+    def __init__(self, run, summary, target_tokens):
+        super().__init__()
+        self.run, self.summary, self.target_tokens = run, summary, target_tokens
+        self.first_step, self.steps_per_epoch, self.started = 0, 1, time.perf_counter()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.started = time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs=None):
+        seconds = time.perf_counter() - self.started
+        share = 1.0 - self.first_step / self.steps_per_epoch
+        entry = {"epoch": epoch + 1, "seconds": round(seconds, 2),
+                 "target_tokens_per_second": round(self.target_tokens * share / seconds, 1),
+                 "learning_rate": float(keras.ops.convert_to_numpy(
+                     self.model.optimizer.learning_rate)),
+                 "optimizer_steps": int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))}
+        if self.first_step:
+            entry["resumed_at_step"] = self.first_step
+        # JSON has no NaN: a diverged value is recorded as null.
+        entry.update({key: float(value) if np.isfinite(value) else None
+                      for key, value in (logs or {}).items()})
+        self.summary["epochs"] = [e for e in self.summary["epochs"] if e["epoch"] != epoch + 1]
+        self.summary["epochs"].append(entry)
+        self.summary["epochs"].sort(key=lambda e: e["epoch"])
+        self.first_step = 0
+        self.write()
+
+    def write(self):
+        self.run.write_json(self.run.metrics_path, self.summary)
+
+
+def train(options, callbacks=(), log=print):
+    """Runs `options` (a `TrainingOptions`) to the end; returns a `TrainingResult`.
+
+    `UserError` for bad input (nothing written). `callbacks` are added to
+    `fit`'s (tests use them to inject faults).
+    """
+    run = RunDirectory(options.out)
+    run.check_can_start(options.resume, options.overwrite)
+    strategy = select_strategy(options.strategy)  # before any TF op (multi-worker needs that)
+    index, workers = worker_index(strategy)
+    stored = run.settings() if options.resume and run.settings_path.exists() else None
+    if stored is not None:
+        _check_same_run(stored["options"], options)
+    keras.utils.set_random_seed(options.seed)
+    corpus = load_corpus(options.data, options.data_dir, options.source_lang, options.target_lang)
+    train_pairs, val_pairs = _train_and_validation(corpus, log)
+    if stored is not None:
+        tokenizer = run.tokenizer()
+    else:
+        tokenizer = Tokenizer.train(train_pairs[0] + train_pairs[1], options.vocab_size)
+    config = _model_config(options, tokenizer.vocab_size)
+    max_length = min(options.max_length or config.max_length, config.max_length)
+    batches = TokenizedPairs(*train_pairs, tokenizer, options.batch_tokens, max_length,
+                             row_multiple=workers)
+    if batches.info.examples == 0:
+        raise UserError(f"No training pair fits in {max_length} tokens; raise --max-length.")
+    validation = TokenizedPairs(*val_pairs, tokenizer, options.batch_tokens, config.max_length,
+                                row_multiple=workers)
+
+    run.create(overwrite=options.overwrite)
+    if stored is None:
+        tokenizer.save(run.tokenizer_path)
+        run.write_json(run.settings_path, {"options": _jsonable(options), "model": config.to_dict(),
+                                            "source_lang": corpus.source_lang,
+                                            "target_lang": corpus.target_lang})
+    log(f"Training pairs: {batches.info.examples:,} kept, {batches.info.dropped:,} longer than "
+        f"{max_length} tokens dropped; {batches.info.batches} batches per epoch; "
+        f"{len(val_pairs[0]):,} validation pairs.")
+    if options.mixed_precision:
+        keras.config.set_dtype_policy(_mixed_precision_policy())
+    with strategy.scope():
+        model = Transformer(config)
+        model.build()
+        compile_transformer(model, options.label_smoothing, options.warmup_steps,
+                            options.learning_rate_scale, grad_accum=options.grad_accum,
+                            jit_compile=options.xla)
+        build_for_fit(model)
+    log(f"Model: preset {options.preset}, {model.count_params():,} parameters, "
+        f"{strategy.num_replicas_in_sync} replica(s), --strategy {options.strategy}.")
+    epoch, step = _restore(run, model, stored is not None, log)
+    return _fit(options, run, strategy, model, batches, validation, epoch, step, callbacks, log,
+                (index, workers))
+
+
+def _fit(options, run, strategy, model, batches, validation, epoch, step, callbacks, log, worker):
+    steps = batches.info.batches
+    summary = (run.read_json(run.metrics_path) if run.metrics_path.exists()
+               else {"epochs": [], "parameters": model.count_params()})
+    summary.update(status="running", examples=batches.info.examples, dropped=batches.info.dropped,
+                   batches_per_epoch=steps, replicas=strategy.num_replicas_in_sync)
+    target_tokens = int(np.sum(batches.target_ids.row_lengths().numpy()) + batches.info.examples)
+    metrics_log, nan_guard = MetricsLog(run, summary, target_tokens), NonFiniteLoss()
+    state = TrainingState(run.state_dir, options.save_every_steps or max(1, steps // 4))
+    all_callbacks = [nan_guard, metrics_log, EpochCheckpoints(run.checkpoints_dir, options.keep_checkpoints),
+                     state, keras.callbacks.TensorBoard(str(run.logs_dir)), *callbacks]
+    if options.max_minutes:
+        all_callbacks.append(TimeBudget(60 * options.max_minutes))
+    verbose = options.verbose if options.verbose is not None else (1 if sys.stdout.isatty() else 2)
+    validation_data = _distribute(validation.in_order(), worker[1])
+    segments = []
+    if step and epoch < options.epochs:  # finish the interrupted epoch first
+        segments.append((epoch, epoch + 1, step))
+        epoch += 1
+    if epoch < options.epochs:
+        segments.append((epoch, options.epochs, 0))
+    for first, stop, skip in segments:
+        metrics_log.first_step = state.first_step = skip
+        metrics_log.steps_per_epoch = steps
+        dataset = _distribute(batches.epochs(first, stop, options.seed, skip), worker[1])
+        model.fit(dataset, initial_epoch=first, epochs=stop, steps_per_epoch=steps - skip if
+                  stop == first + 1 and skip else steps, validation_data=validation_data,
+                  shuffle=False, verbose=verbose, callbacks=all_callbacks)
+        if nan_guard.where or model.stop_training:
+            break
+    return _finish(run, model, summary, metrics_log, nan_guard, log)
+
+
+def _finish(run, model, summary, metrics_log, nan_guard, log):
+    from keras_transformer.plots import plot_learning_curve
+
+    if nan_guard.where:
+        epoch, step = nan_guard.where
+        checkpoints = epoch_checkpoints(run.checkpoints_dir)
+        last = checkpoints[-1] if checkpoints else "none (no epoch finished)"
+        summary["status"] = f"stopped: non-finite loss at epoch {epoch}, step {step}"
+        metrics_log.write()
+        log(f"Training stopped: the loss became NaN/inf at epoch {epoch}, step {step}. "
+            f"Last good checkpoint: {last}.")
+        return TrainingResult(summary["status"], run, summary["epochs"], model)
+    _save_model(model, run.model_path)
+    summary["status"] = "finished"
+    metrics_log.write()
+    if summary["epochs"]:
+        plot_learning_curve(summary["epochs"], run.curve_path)
+    log(f"Finished; the model is in {run.model_path}, metrics in {run.metrics_path}.")
+    return TrainingResult("finished", run, summary["epochs"], model)
+
+
+def _save_model(model, path):
+    with atomic_path(path, suffix=".keras") as temporary:
+        model.save(temporary)
+
+
+def _restore(run, model, resuming, log):
+    state = TrainingState.load(run.state_dir) if resuming else None
+    if state is None:
+        return 0, 0
+    model.load_weights(state["weights"])
+    log(f"Resuming from {state['weights']}: epoch {state['epoch'] + 1}, step {state['step']}.")
+    return state["epoch"], state["step"]
+
+
+def _distribute(dataset, workers):
+    """Multi-worker: each batch is split by rows, every worker training on its share.
+
+    Every worker builds the same batches (same seed), padded to a multiple of
+    the worker count in rows (`TokenizedPairs(row_multiple=...)`); TF's
+    rebatching hands worker i the i-th share of every batch, so all workers
+    run the same number of steps on tensors of the same shapes.
+    """
+    if workers == 1:
+        return dataset
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    return dataset.with_options(options)
+
+
+def _train_and_validation(corpus, log):
+    train_pairs = corpus["train"]
+    if "val" in corpus.splits:
+        return train_pairs, corpus["val"]
+    sources, targets = train_pairs
+    held_out = max(1, min(1000, len(sources) // 20))
+    if len(sources) - held_out < 1:
+        raise UserError(f"The corpus has {len(sources)} pair(s): too few to train and validate.")
+    log(f"No validation split given: holding out the last {held_out} pairs for validation.")
+    return (sources[:-held_out], targets[:-held_out]), (sources[-held_out:], targets[-held_out:])
+
+
+def _model_config(options, vocab_size):
+    try:
+        return TransformerConfig.from_preset(options.preset, vocab_size=vocab_size, **options.overrides)
+    except (TypeError, ValueError) as error:
+        raise UserError(f"Invalid model settings (--preset {options.preset}, --set): {error}") from None
+
+
+def _mixed_precision_policy():
+    return "mixed_float16" if tf.config.list_logical_devices("GPU") else "mixed_bfloat16"
+
+
+def _jsonable(options):
+    return {key: value for key, value in dataclasses.asdict(options).items()
+            if key not in ("resume", "overwrite", "verbose")}
+
+
+def _check_same_run(stored, options):
+    current = _jsonable(options)
+    changed = [key for key in RUN_DEFINING if stored.get(key) != current.get(key)]
+    if changed:
+        details = ", ".join(f"{key}: {stored.get(key)!r} -> {current.get(key)!r}" for key in changed)
+        raise UserError(f"--resume with different settings than the stored run ({details}); "
+                        f"use the original settings or --overwrite.")
