@@ -1,19 +1,31 @@
 """The `keras-transformer` command line.
 
-    keras-transformer presets [--vocab-size N]    the model presets and their sizes
+    keras-transformer train     --data DATASET --preset small --out runs/NAME [--epochs N]
+                                [--strategy auto|default|mirrored|multi-worker]
+                                [--mixed-precision] [--xla] [--grad-accum N] [--resume | --overwrite]
+    keras-transformer translate --model runs/NAME [--beam-size 4] < input.txt > output.txt
+    keras-transformer evaluate  --model runs/NAME --data DATASET --split test
+    keras-transformer average   --model runs/NAME --last 5
+    keras-transformer attention --model runs/NAME --text "A sentence." --out attention.png
+    keras-transformer presets   [--vocab-size N]
     keras-transformer --version
 
-(`train`, `translate`, `evaluate`, `export` and `average` arrive with the
-translation pipeline; see README, "Roadmap".)
+DATASET: `synthetic` (built in), `multi30k` (downloaded into a cache, or
+`--data-dir DIR` with a local copy), `files:SRC,TGT` (aligned UTF-8 files).
+Problems with the input print one line `keras-transformer: error: ...` and
+exit with status 2; a training run stopped by a NaN loss exits with status 1.
 """
 
 import argparse
+import ast
 import os
 import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ start-up chatter
 
 
 def _presets(args):
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     from keras_transformer.config import PRESETS
     from keras_transformer.transformer import Transformer
 
@@ -28,6 +40,156 @@ def _presets(args):
     return 0
 
 
+def _train(args):
+    from keras_transformer.trainer import TrainingOptions, train
+
+    options = TrainingOptions(
+        out=args.out, data=args.data, data_dir=args.data_dir, source_lang=args.source_lang,
+        target_lang=args.target_lang, preset=args.preset, overrides=dict(args.set),
+        vocab_size=args.vocab_size, epochs=args.epochs, batch_tokens=args.batch_tokens,
+        max_length=args.max_length, warmup_steps=args.warmup_steps,
+        learning_rate_scale=args.learning_rate_scale, label_smoothing=args.label_smoothing,
+        strategy=args.strategy, mixed_precision=args.mixed_precision, xla=args.xla,
+        grad_accum=args.grad_accum, max_minutes=args.max_minutes, keep_checkpoints=args.keep_checkpoints,
+        save_every_steps=args.save_every_steps, resume=args.resume, overwrite=args.overwrite,
+        seed=args.seed)
+    result = train(options)
+    return 0 if result.status == "finished" else 1
+
+
+def _load(args):
+    from keras_transformer.run_directory import load_model, resolve_model
+    from keras_transformer.translator import Translator
+
+    run, model_path = resolve_model(args.model)
+    model = load_model(model_path)
+    translator = Translator(model, run.tokenizer(), beam_size=args.beam_size,
+                            length_penalty=args.length_penalty, batch_size=args.batch_size)
+    return run, model, translator
+
+
+class _Progress:
+    """A progress bar on stderr (drawn only on a terminal; elsewhere one closing line)."""
+
+    def __init__(self, total, what="sentences"):
+        self.total, self.what, self.start = total, what, time.perf_counter()
+        self.drawn = sys.stderr.isatty()
+
+    def __call__(self, done):
+        if self.drawn:
+            filled = int(30 * done / max(1, self.total))
+            rate = done / max(1e-9, time.perf_counter() - self.start)
+            sys.stderr.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {done}/{self.total} "
+                             f"{self.what} ({rate:.1f}/s)")
+            sys.stderr.flush()
+
+    def close(self):
+        seconds = time.perf_counter() - self.start
+        end = "\n" if self.drawn else ""
+        sys.stderr.write(f"{end}Translated {self.total} {self.what} in {seconds:.1f}s.\n")
+
+
+def _translate(args):
+    _, _, translator = _load(args)
+    lines = []
+    for number, raw in enumerate(sys.stdin.buffer, start=1):
+        text = raw.rstrip(b"\r\n")
+        try:
+            lines.append(text.decode("utf-8"))
+        except UnicodeDecodeError:
+            print(f"keras-transformer: warning: input line {number} is not valid UTF-8; invalid "
+                  f"bytes replaced by U+FFFD.", file=sys.stderr)
+            lines.append(text.decode("utf-8", errors="replace"))
+    progress = _Progress(len(lines))
+    texts, scores = translator.translate(lines, progress)
+    progress.close()
+    output = sys.stdout
+    for text, score in zip(texts, scores):
+        output.write(f"{text}\t{score:.4f}\n" if args.scores else f"{text}\n")
+    output.flush()
+    return 0
+
+
+def _evaluate(args):
+    from keras_transformer.data import load_corpus
+    from keras_transformer.evaluation import score_translations
+    from keras_transformer.files import atomic_write
+
+    run, _, translator = _load(args)
+    settings = run.settings()
+    source_lang = args.source_lang or settings.get("source_lang", "en")
+    target_lang = args.target_lang or settings.get("target_lang", "de")
+    sources, references = load_corpus(args.data, args.data_dir, source_lang, target_lang)[args.split]
+    if args.limit:
+        sources, references = sources[: args.limit], references[: args.limit]
+    progress = _Progress(len(sources))
+    hypotheses, _ = translator.translate(sources, progress)
+    progress.close()
+    scores = score_translations(hypotheses, references)
+    name = f"{args.data.split(':')[0]}-{args.split}"
+    output = args.output or str(run.path / f"translations-{name}.txt")
+    atomic_write(output, "".join(f"{line}\n" for line in hypotheses))
+    run.write_json(run.path / f"eval-{name}.json", {
+        "model": str(args.model), "data": args.data, "split": args.split, "sentences": len(sources),
+        "beam_size": args.beam_size, "length_penalty": args.length_penalty,
+        "bleu": scores.bleu, "bleu_signature": scores.bleu_signature,
+        "chrf": scores.chrf, "chrf_signature": scores.chrf_signature})
+    print(f"{args.data} {args.split} ({len(sources)} sentences, beam {args.beam_size}, "
+          f"alpha {args.length_penalty}):\n{scores}\nTranslations: {output}")
+    return 0
+
+
+def _average(args):
+    from keras_transformer.checkpoints import average_checkpoints, epoch_checkpoints
+    from keras_transformer.config import TransformerConfig
+    from keras_transformer.files import atomic_path
+    from keras_transformer.run_directory import RunDirectory
+    from keras_transformer.training import compile_transformer
+    from keras_transformer.transformer import Transformer
+    from keras_transformer.validation import UserError
+
+    run = RunDirectory(args.model)
+    settings = run.settings()
+    checkpoints = epoch_checkpoints(run.checkpoints_dir)
+    if len(checkpoints) < args.last:
+        raise UserError(f"--last {args.last}, but {run.checkpoints_dir} holds {len(checkpoints)} "
+                        f"epoch checkpoint(s) (train keeps --keep-checkpoints of them).")
+    config = TransformerConfig.from_dict(settings["model"])
+    model = Transformer(config)
+    model.build()
+    compile_transformer(model, grad_accum=settings["options"].get("grad_accum", 1))
+    average_checkpoints(model, checkpoints[-args.last:])
+    averaged = Transformer(config)
+    averaged.build()
+    averaged.set_weights(model.get_weights())
+    output = args.output or str(run.averaged_path)
+    with atomic_path(output, suffix=".keras") as temporary:
+        averaged.save(temporary)
+    names = ", ".join(os.path.basename(path) for path in checkpoints[-args.last:])
+    print(f"Averaged {names} into {output}")
+    return 0
+
+
+def _attention(args):
+    import numpy as np
+
+    from keras_transformer.plots import plot_attention
+    from keras_transformer.tokenizer import BOS_ID
+
+    run, model, translator = _load(args)
+    tokenizer = run.tokenizer()
+    source_ids = translator.encode([args.text]).numpy()
+    target = args.target if args.target is not None else translator.translate([args.text])[0][0]
+    target_ids = np.concatenate([[BOS_ID], tokenizer.tokenize([target]).numpy()[0]])[None]
+    weights = model.attention_weights({"source_ids": source_ids,
+                                       "target_ids": target_ids.astype("int32")})
+    pieces = tokenizer.processor.id_to_piece
+    plot_attention(weights, [pieces(int(i)) for i in source_ids[0]],
+                   [pieces(int(i)) for i in target_ids[0]], args.out)
+    print(f"Translation: {target}\nAttention heads drawn in {args.out}")
+    return 0
+
+
 def _positive_int(text):
     try:
         value = int(text)
@@ -38,16 +200,107 @@ def _positive_int(text):
     return value
 
 
+def _setting(text):
+    key, separator, value = text.partition("=")
+    if not separator or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value
+
+
+def _add_model_arguments(parser, beam=True):
+    parser.add_argument("--model", required=True,
+                        help="a run directory (uses its model.keras) or a .keras file inside one")
+    if beam:
+        parser.add_argument("--beam-size", type=_positive_int, default=4)
+        parser.add_argument("--length-penalty", type=float, default=0.6, help="alpha (default 0.6)")
+        parser.add_argument("--batch-size", type=_positive_int, default=64)
+
+
+def _add_data_arguments(parser, default=None):
+    parser.add_argument("--data", required=default is None, default=default,
+                        help="synthetic | multi30k | files:SRC,TGT")
+    parser.add_argument("--data-dir", help="local copy of the dataset (multi30k)")
+
+
+def _train_parser(commands):
+    train = commands.add_parser("train", help="train a model into a run directory")
+    _add_data_arguments(train, default="synthetic")
+    train.add_argument("--source-lang", default="en")
+    train.add_argument("--target-lang", default="de")
+    train.add_argument("--preset", default="small", help="tiny | small | base | big")
+    train.add_argument("--set", type=_setting, action="append", default=[], metavar="KEY=VALUE",
+                       help="override a TransformerConfig field, e.g. --set dropout_rate=0.3")
+    train.add_argument("--out", required=True, help="the run directory")
+    train.add_argument("--epochs", type=_positive_int, default=10)
+    train.add_argument("--vocab-size", type=_positive_int, default=8000)
+    train.add_argument("--batch-tokens", type=_positive_int, default=4096,
+                       help="tokens per batch (the paper: ~25000)")
+    train.add_argument("--max-length", type=_positive_int,
+                       help="drop training pairs longer than this (default: the model's max)")
+    train.add_argument("--warmup-steps", type=_positive_int, default=4000)
+    train.add_argument("--learning-rate-scale", type=float, default=1.0)
+    train.add_argument("--label-smoothing", type=float, default=0.1)
+    train.add_argument("--strategy", default="auto",
+                       choices=("auto", "default", "mirrored", "multi-worker"))
+    train.add_argument("--mixed-precision", action="store_true",
+                       help="float16 compute on GPU, bfloat16 on CPU (weights stay float32)")
+    train.add_argument("--xla", action="store_true", help="compile the train step with XLA")
+    train.add_argument("--grad-accum", type=_positive_int, default=1,
+                       help="batches whose gradients make one update")
+    train.add_argument("--max-minutes", type=float,
+                       help="time budget: stop after the last epoch that fits in it")
+    train.add_argument("--keep-checkpoints", type=_positive_int, default=5)
+    train.add_argument("--save-every-steps", type=_positive_int,
+                       help="save the resumable state this often (default: 4 times per epoch)")
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--resume", action="store_true",
+                       help="continue the run in --out if there is one (else start it)")
+    train.add_argument("--overwrite", action="store_true", help="replace the run in --out")
+    train.set_defaults(handler=_train)
+
+
 def build_parser():
     from keras_transformer import __version__
 
     parser = argparse.ArgumentParser(
         prog="keras-transformer",
-        description="The Transformer of 'Attention Is All You Need' in Keras 3.",
-    )
+        description="The Transformer of 'Attention Is All You Need' in Keras 3.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True
+    _train_parser(commands)
+
+    translate = commands.add_parser("translate", help="translate stdin to stdout, one line each")
+    _add_model_arguments(translate)
+    translate.add_argument("--scores", action="store_true", help="append a tab and the score")
+    translate.set_defaults(handler=_translate)
+
+    evaluate = commands.add_parser("evaluate", help="sacreBLEU and chrF on a split")
+    _add_model_arguments(evaluate)
+    _add_data_arguments(evaluate)
+    evaluate.add_argument("--split", default="test", help="train | val | test (default test)")
+    evaluate.add_argument("--source-lang", help="default: the run's")
+    evaluate.add_argument("--target-lang", help="default: the run's")
+    evaluate.add_argument("--limit", type=_positive_int, help="only the first N sentences")
+    evaluate.add_argument("--output", help="translations file (default RUN/translations-DATA-SPLIT.txt)")
+    evaluate.set_defaults(handler=_evaluate)
+
+    average = commands.add_parser("average", help="average the last N epoch checkpoints")
+    average.add_argument("--model", required=True, help="the run directory")
+    average.add_argument("--last", type=_positive_int, default=5)
+    average.add_argument("--output", help="default: RUN/averaged.keras")
+    average.set_defaults(handler=_average)
+
+    attention = commands.add_parser("attention", help="draw a sentence's attention heads")
+    _add_model_arguments(attention)
+    attention.add_argument("--text", required=True, help="the source sentence")
+    attention.add_argument("--target", help="the target sentence (default: the model's translation)")
+    attention.add_argument("--out", default="attention.png")
+    attention.set_defaults(handler=_attention)
+
     presets = commands.add_parser("presets", help="list the model presets and their parameter counts")
     presets.add_argument("--vocab-size", type=_positive_int, default=37000,
                          help="shared vocabulary size (default: 37000, the paper's EN-DE)")
@@ -57,7 +310,13 @@ def build_parser():
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    return args.handler(args)
+    from keras_transformer.validation import UserError
+
+    try:
+        return args.handler(args)
+    except UserError as error:
+        print(f"keras-transformer: error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -58,3 +58,15 @@ def multi30k_dir():
     if not (directory / "train.en").exists():
         pytest.skip(f"Multi30k not found at {directory}")
     return directory
+
+
+@pytest.fixture(scope="session")
+def synthetic_files(tmp_path_factory):
+    """800 synthetic sentence pairs as two aligned UTF-8 files: `(source_path, target_path)`."""
+    from keras_transformer.synthetic import SyntheticLanguagePair
+
+    directory = tmp_path_factory.mktemp("corpus")
+    sources, targets = SyntheticLanguagePair().corpus({"train": 800}, seed=5)["train"]
+    (directory / "train.en").write_text("\n".join(sources) + "\n", encoding="utf-8")
+    (directory / "train.de").write_text("\n".join(targets) + "\n", encoding="utf-8")
+    return directory / "train.en", directory / "train.de"

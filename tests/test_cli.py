@@ -1,0 +1,155 @@
+"""The command line: bad input gives one line, exit status 2 and no run
+directory; a tiny run trains, translates, evaluates, averages and draws."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from keras_transformer import cli
+
+TINY = ["--preset", "tiny", "--vocab-size", "300", "--batch-tokens", "1024", "--warmup-steps", "50"]
+
+
+@pytest.fixture(scope="module")
+def parallel_files(synthetic_files):
+    return synthetic_files
+
+
+def _fails_cleanly(capsys, out, *arguments):
+    status = cli.main(["train", "--out", str(out), *TINY, *arguments])
+    error = capsys.readouterr().err.strip().splitlines()
+    assert status == 2
+    assert len(error) == 1 and error[0].startswith("keras-transformer: error: "), error
+    return error[0]
+
+
+def _write(path, content):
+    path.write_bytes(content)
+    return path
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("missing", "no such file"),
+    ("not_utf8", "line 3: not valid UTF-8"),
+    ("counts", "has 3 lines but"),
+    ("empty", "the corpus is empty"),
+    ("unknown", "Unknown dataset 'wmt99'"),
+    ("vocab", "vocab_size=300 is too large"),
+])
+def test_bad_input_gives_one_line_exit_2_and_no_run_directory(case, expected, tmp_path, capsys):
+    good = _write(tmp_path / "good.txt", b"a b\nc d\ne f\n")
+    latin1 = _write(tmp_path / "latin1.en", b"ok\nfine\ncaf\xe9\n")
+    two_lines = _write(tmp_path / "two.de", b"x\ny\n")
+    blank = _write(tmp_path / "blank.txt", b"\n\n")
+    data = {
+        "missing": f"files:{tmp_path / 'nope.en'},{good}",
+        "not_utf8": f"files:{latin1},{good}",
+        "counts": f"files:{good},{two_lines}",
+        "empty": f"files:{blank},{blank}",
+        "unknown": "wmt99",
+        "vocab": f"files:{good},{good}",
+    }[case]
+    out = tmp_path / "run"
+    message = _fails_cleanly(capsys, out, "--data", data)
+    assert expected in message
+    assert not out.exists()
+
+
+def test_existing_run_directory_needs_resume_or_overwrite(tmp_path, capsys, parallel_files):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    message = _fails_cleanly(capsys, out, "--data", "files:{},{}".format(*parallel_files))
+    assert "--resume" in message and "--overwrite" in message
+    assert sorted(os.listdir(out)) == ["notes.txt"] and (out / "notes.txt").read_text() == "keep me"
+    # --resume on a directory that holds no run.json is refused as well.
+    message = _fails_cleanly(capsys, out, "--data", "files:{},{}".format(*parallel_files), "--resume")
+    assert "not a run to resume" in message
+
+
+def test_console_script_prints_one_error_line_and_exits_2(tmp_path):
+    out = tmp_path / "run"
+    completed = subprocess.run(
+        [sys.executable, "-m", "keras_transformer.cli", "train", "--data", "nope", "--out", str(out)],
+        capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 2
+    ours = [line for line in completed.stderr.splitlines() if "keras-transformer" in line]
+    assert ours == ["keras-transformer: error: Unknown dataset 'nope'; use one of "
+                    "['synthetic', 'multi30k', 'files:SRC,TGT']."]
+    assert "Traceback" not in completed.stderr and not out.exists()
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory, parallel_files):
+    """A tiny model trained for 3 epochs through the CLI on the mirrored strategy."""
+    out = tmp_path_factory.mktemp("runs") / "tiny"
+    status = cli.main(["train", "--data", "files:{},{}".format(*parallel_files), "--out", str(out),
+                       "--epochs", "3", "--strategy", "mirrored", *TINY])
+    assert status == 0
+    return out
+
+
+def test_mirrored_strategy_trains_through_the_cli(trained_run):
+    metrics = json.loads((trained_run / "metrics.json").read_text())
+    assert metrics["status"] == "finished" and metrics["replicas"] == 2
+    assert [entry["epoch"] for entry in metrics["epochs"]] == [1, 2, 3]
+    losses = [entry["loss"] for entry in metrics["epochs"]]
+    assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
+    for name in ("run.json", "tokenizer.model", "model.keras", "learning_curve.png"):
+        assert (trained_run / name).is_file(), name
+    assert sorted(os.listdir(trained_run / "checkpoints")) == [
+        f"epoch-{n:04d}.weights.h5" for n in (1, 2, 3)]
+    assert any((trained_run / "logs").rglob("events.out.tfevents.*"))
+
+
+def test_translate_reads_stdin_and_writes_one_line_per_input(trained_run, monkeypatch, capsys):
+    import io
+
+    lines = ["the dog sees the cat", "", "caf\u00e9 \U0001F600", "x " * 400]
+    stdin = io.TextIOWrapper(io.BytesIO(("\n".join(lines) + "\n").encode("utf-8")))
+    monkeypatch.setattr(sys, "stdin", stdin)
+    assert cli.main(["translate", "--model", str(trained_run), "--beam-size", "2", "--scores"]) == 0
+    output = capsys.readouterr().out.splitlines()
+    assert len(output) == len(lines)
+    assert all(np.isfinite(float(line.rsplit("\t", 1)[1])) for line in output)
+
+
+def test_evaluate_average_and_attention(trained_run, parallel_files, capsys, tmp_path):
+    assert cli.main(["average", "--model", str(trained_run), "--last", "2"]) == 0
+    assert (trained_run / "averaged.keras").is_file()
+    data = "files:{},{}".format(*parallel_files)
+    assert cli.main(["evaluate", "--model", str(trained_run / "averaged.keras"), "--data", data,
+                     "--split", "train", "--limit", "20", "--beam-size", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "BLEU" in printed and "nrefs:1|case:mixed|eff:no|tok:13a" in printed
+    report = json.loads((trained_run / "eval-files-train.json").read_text())
+    assert report["sentences"] == 20 and 0 <= report["bleu"] <= 100
+    assert len((trained_run / "translations-files-train.txt").read_text().splitlines()) == 20
+    picture = tmp_path / "attention.png"
+    assert cli.main(["attention", "--model", str(trained_run), "--text", "the dog sees the cat",
+                     "--out", str(picture)]) == 0
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert cli.main(["average", "--model", str(trained_run), "--last", "9"]) == 2
+    assert "holds 3 epoch checkpoint(s)" in capsys.readouterr().err
+
+
+def test_average_is_the_mean_of_the_checkpoints(trained_run):
+    import keras
+
+    import keras_transformer as kt
+
+    settings = json.loads((trained_run / "run.json").read_text())
+    model = kt.Transformer(kt.TransformerConfig.from_dict(settings["model"]))
+    model.build()
+    kt.compile_transformer(model)
+    values = []
+    for epoch in (2, 3):
+        model.load_weights(str(trained_run / "checkpoints" / f"epoch-{epoch:04d}.weights.h5"))
+        values.append([np.asarray(w) for w in model.weights])
+    averaged = keras.saving.load_model(str(trained_run / "averaged.keras"), compile=False)
+    for weight, first, second in zip(averaged.weights, *values):
+        np.testing.assert_allclose(np.asarray(weight), (first + second) / 2, rtol=1e-6, atol=1e-7)

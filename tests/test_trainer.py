@@ -1,0 +1,163 @@
+"""Fault tolerance of `keras-transformer train`: SIGKILL and resume, NaN,
+multi-worker training over two processes."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import keras
+import numpy as np
+import pytest
+
+from keras_transformer.trainer import TrainingOptions, train
+
+TINY = ["--preset", "tiny", "--vocab-size", "300", "--batch-tokens", "512", "--warmup-steps", "50"]
+
+
+@pytest.fixture(scope="module")
+def corpus_files(synthetic_files):
+    return "files:{},{}".format(*synthetic_files)
+
+
+def _command(data, out, *extra):
+    return [sys.executable, "-m", "keras_transformer.cli", "train", "--data", data, "--out", str(out),
+            *TINY, "--strategy", "default", *extra]
+
+
+def _environment(**extra):
+    environment = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="", **extra)
+    environment.pop("TF_CONFIG", None)
+    environment.update(extra)
+    return environment
+
+
+def _wait_for(predicate, process, seconds):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        if process.poll() is not None:
+            return False
+        time.sleep(0.2)
+    return False
+
+
+def test_sigkill_mid_epoch_then_same_command_resumes_and_finishes(corpus_files, tmp_path):
+    out = tmp_path / "run"
+    command = _command(corpus_files, out, "--epochs", "2", "--save-every-steps", "3", "--resume")
+    state_path = out / "state" / "state.json"
+
+    def mid_first_epoch():
+        try:
+            state = json.loads(state_path.read_text())
+        except (OSError, ValueError):
+            return False
+        return state["epoch"] == 0 and state["step"] >= 6
+
+    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             env=_environment())
+    try:
+        assert _wait_for(mid_first_epoch, first, 600), first.communicate()[0].decode()[-3000:]
+        os.kill(first.pid, signal.SIGKILL)
+    finally:
+        first.kill()
+        first.communicate()  # reap it and close its pipe
+    killed_at = json.loads(state_path.read_text())
+    assert not (out / "model.keras").exists()
+
+    second = subprocess.run(command, capture_output=True, text=True, env=_environment(), timeout=900)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert f"epoch 1, step {killed_at['step']}" in second.stdout  # epoch and step restored
+
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["status"] == "finished"
+    assert [entry["epoch"] for entry in metrics["epochs"]] == [1, 2]
+    assert metrics["epochs"][0]["resumed_at_step"] == killed_at["step"]
+    # No batch lost or repeated: the optimizer made exactly one update per batch.
+    assert metrics["epochs"][-1]["optimizer_steps"] == 2 * metrics["batches_per_epoch"]
+    assert not [name for name in os.listdir(out / "checkpoints") if name.startswith(".partial")]
+    import keras_transformer as kt  # noqa: F401  (registers the layers)
+
+    model = keras.saving.load_model(str(out / "model.keras"), compile=False)
+    for name in os.listdir(out / "checkpoints"):
+        model.load_weights(str(out / "checkpoints" / name))  # loads: not corrupt
+
+
+class _PoisonWeights(keras.callbacks.Callback):
+    """Turns one weight into NaN at a given epoch and batch (a divergence)."""
+
+    def __init__(self, epoch, batch):
+        super().__init__()
+        self.at, self.epoch = (epoch, batch), 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if (self.epoch, batch) == self.at:
+            weight = self.model.weights[0]
+            weight.assign(np.full(weight.shape, np.nan, "float32"))
+
+
+def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(corpus_files, tmp_path):
+    out = tmp_path / "run"
+    options = TrainingOptions(out=str(out), data=corpus_files, preset="tiny", vocab_size=300,
+                              batch_tokens=512, warmup_steps=50, epochs=4, strategy="default",
+                              verbose=0)
+    result = train(options, callbacks=[_PoisonWeights(epoch=1, batch=3)], log=lambda *_: None)
+    assert result.status == "stopped: non-finite loss at epoch 2, step 4"
+    assert sorted(os.listdir(out / "checkpoints")) == ["epoch-0001.weights.h5"]
+    assert not (out / "model.keras").exists()
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["status"] == result.status
+    assert [entry["epoch"] for entry in metrics["epochs"]] == [1, 2]
+    assert metrics["epochs"][0]["loss"] > 0 and metrics["epochs"][1]["loss"] is None
+    model = result.model
+    model.load_weights(str(out / "checkpoints" / "epoch-0001.weights.h5"))
+    assert all(np.all(np.isfinite(np.asarray(w))) for w in model.weights)
+    state = json.loads((out / "state" / "state.json").read_text())
+    assert (state["epoch"], state["step"]) == (1, 0)  # the state after epoch 1, not the NaN one
+
+
+def _free_ports(count):
+    sockets = [socket.socket() for _ in range(count)]
+    for handle in sockets:
+        handle.bind(("127.0.0.1", 0))
+    ports = [handle.getsockname()[1] for handle in sockets]
+    for handle in sockets:
+        handle.close()
+    return ports
+
+
+def test_two_workers_on_localhost_train_to_identical_weights(corpus_files, tmp_path):
+    workers = [f"127.0.0.1:{port}" for port in _free_ports(2)]
+    processes = []
+    for index in range(2):
+        tf_config = json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}})
+        command = _command(corpus_files, tmp_path / f"worker{index}", "--epochs", "1")
+        command[command.index("default")] = "multi-worker"
+        processes.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          env=_environment(TF_CONFIG=tf_config)))
+    outputs = []
+    try:
+        for process in processes:
+            outputs.append(process.communicate(timeout=600)[0].decode())
+    finally:
+        for process in processes:
+            process.kill()
+            process.communicate()
+    for process, output in zip(processes, outputs):
+        assert process.returncode == 0, output[-3000:]
+        assert "2 replica(s), --strategy multi-worker" in output
+    import keras_transformer as kt  # noqa: F401
+
+    models = [keras.saving.load_model(str(tmp_path / f"worker{i}" / "model.keras"), compile=False)
+              for i in range(2)]
+    for first, second in zip(models[0].weights, models[1].weights):
+        np.testing.assert_array_equal(np.asarray(first), np.asarray(second))
+    metrics = [json.loads((tmp_path / f"worker{i}" / "metrics.json").read_text()) for i in range(2)]
+    assert metrics[0]["epochs"][0]["loss"] == pytest.approx(metrics[1]["epochs"][0]["loss"])
