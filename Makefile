@@ -26,6 +26,7 @@ bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e ".[bench]"
 	$(BIN)/python scripts/bench_attention.py
 	$(BIN)/python scripts/bench_decoding.py
+	$(BIN)/python scripts/bench_train.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

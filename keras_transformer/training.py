@@ -54,8 +54,14 @@ def select_strategy(name):
         return tf.distribute.MultiWorkerMirroredStrategy()
     gpus = tf.config.list_logical_devices("GPU")
     if name == "mirrored":
-        devices = gpus or tf.config.list_logical_devices("CPU")
-        return tf.distribute.MirroredStrategy([device.name for device in devices])
+        if gpus:
+            return tf.distribute.MirroredStrategy([device.name for device in gpus])
+        # CPU devices share memory: reduce on one of them. (TF's default
+        # collective ops also key their state per process, so a second
+        # MirroredStrategy in the same process could collide with the first.)
+        return tf.distribute.MirroredStrategy(
+            [device.name for device in tf.config.list_logical_devices("CPU")],
+            cross_device_ops=tf.distribute.ReductionToOneDevice())
     if name == "auto" and len(gpus) > 1:
         return tf.distribute.MirroredStrategy([device.name for device in gpus])
     return tf.distribute.get_strategy()

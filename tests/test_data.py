@@ -150,3 +150,30 @@ def test_dataset_trains_with_fit(synthetic_tokenized):
     history = model.fit(dataset, epochs=2, shuffle=False, verbose=0)
     assert np.all(np.isfinite(history.history["loss"]))
     assert history.history["loss"][1] < history.history["loss"][0]
+
+
+def test_train_step_is_not_retraced_after_the_first_epoch(synthetic_tokenized):
+    import keras
+
+    import keras_transformer as kt
+    from keras_transformer.batching import TokenizedPairs
+
+    sources, targets, tokenizer = synthetic_tokenized
+    pairs = TokenizedPairs(sources[:400], targets[:400], tokenizer, batch_tokens=512, max_length=64)
+    shapes = {tuple(inputs["source_ids"].shape) for inputs, _ in pairs.epoch(0)}
+    assert len(shapes) > 3  # several bucket lengths and batch sizes
+    model = kt.Transformer.from_preset("tiny", vocab_size=tokenizer.vocab_size)
+    kt.compile_transformer(model, warmup_steps=50)
+    traces = []
+    original_train_step = model.train_step
+
+    def counting_train_step(data):  # Python runs this only while TensorFlow traces
+        traces.append(1)
+        return original_train_step(data)
+
+    model.train_step = counting_train_step
+    per_epoch = []
+    record = keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: per_epoch.append(len(traces)))
+    model.fit(pairs.epochs(0, 3), epochs=3, steps_per_epoch=pairs.info.batches, shuffle=False,
+              verbose=0, callbacks=[record])
+    assert per_epoch[0] >= 1 and per_epoch[0] == per_epoch[-1], per_epoch

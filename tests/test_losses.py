@@ -84,3 +84,11 @@ def test_compile_helper_uses_the_papers_adam():
     assert (config["beta_1"], config["beta_2"], config["epsilon"]) == (0.9, 0.98, 1e-9)
     assert keras.saving.deserialize_keras_object(config["learning_rate"]).warmup_steps == 100
     assert model.loss.label_smoothing == 0.1
+
+
+def test_noam_schedule_counts_updates_under_gradient_accumulation():
+    plain = kt.NoamSchedule(d_model=64, warmup_steps=10)
+    accumulated = kt.NoamSchedule(d_model=64, warmup_steps=10, steps_per_update=4)
+    for update in range(6):
+        for call in range(4):  # Keras evaluates the schedule at every optimizer call
+            assert float(accumulated(4 * update + call)) == pytest.approx(float(plain(update)))

@@ -161,3 +161,24 @@ def test_two_workers_on_localhost_train_to_identical_weights(corpus_files, tmp_p
         np.testing.assert_array_equal(np.asarray(first), np.asarray(second))
     metrics = [json.loads((tmp_path / f"worker{i}" / "metrics.json").read_text()) for i in range(2)]
     assert metrics[0]["epochs"][0]["loss"] == pytest.approx(metrics[1]["epochs"][0]["loss"])
+
+
+@pytest.mark.parametrize("extra, updates_per_batch", [
+    (dict(grad_accum=2), 0.5),                       # one update per two batches
+    (dict(mixed_precision=True), 1.0),               # bfloat16 compute on CPU
+])
+def test_grad_accum_and_mixed_precision_train_through_the_trainer(corpus_files, tmp_path, extra,
+                                                                       updates_per_batch):
+    options = TrainingOptions(out=str(tmp_path / "run"), data=corpus_files, preset="tiny",
+                              vocab_size=300, batch_tokens=512, warmup_steps=50, epochs=1,
+                              strategy="default", verbose=0, **extra)
+    result = train(options, log=lambda *_: None)
+    assert result.status == "finished"
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    entry = metrics["epochs"][0]
+    assert np.isfinite(entry["loss"]) and np.isfinite(entry["val_loss"])
+    assert entry["optimizer_steps"] == int(metrics["batches_per_epoch"] * updates_per_batch)
+    import keras_transformer as kt  # noqa: F401
+
+    model = keras.saving.load_model(str(tmp_path / "run" / "model.keras"), compile=False)
+    assert all(w.dtype == "float32" for w in model.weights)  # variables stay float32
