@@ -58,13 +58,16 @@ class SinusoidalPositionalEncoding(keras.layers.Layer):
         self.base = base
 
     def build(self, input_shape):
-        self.table = ops.convert_to_tensor(
-            sinusoidal_table(self.max_length, input_shape[-1], self.base)
-        )  # (max_length, d_model), float32
+        # A NumPy array, made a constant of whichever graph calls the layer: a
+        # tensor made here would belong to the graph that happened to build
+        # the layer (e.g. the first traced train step) and be out of scope in
+        # every other.
+        self.table = sinusoidal_table(self.max_length, input_shape[-1], self.base)  # (max_length, d_model)
 
     def call(self, inputs, offset=0):
         length = ops.shape(inputs)[1]
-        positions = ops.slice(self.table, (offset, 0), (length, ops.shape(self.table)[1]))
+        table = ops.convert_to_tensor(self.table)
+        positions = ops.slice(table, (offset, 0), (length, self.table.shape[1]))
         return inputs + ops.cast(positions, inputs.dtype)[None]
 
     def compute_output_shape(self, input_shape):

@@ -176,3 +176,14 @@ def test_mixed_precision_logits_close_to_float32():
 def test_wrong_inputs_name_the_expected_keys():
     with pytest.raises(ValueError, match=r"expects a dict with keys \['source_ids', 'target_ids'\]"):
         _model()(np.ones((2, 3), "int32"))
+
+
+def test_a_model_left_unbuilt_builds_inside_fit():
+    # Built lazily in the first traced train step; nothing built may belong to that graph only.
+    model = kt.Transformer(kt.TransformerConfig.from_preset("tiny", vocab_size=20))
+    assert not model.built
+    kt.compile_transformer(model, warmup_steps=10)
+    inputs, labels = kt.sequence_task("copy", 64, vocab_size=20, max_length=6, seed=0)
+    history = model.fit(inputs, labels, batch_size=16, epochs=2, verbose=0)
+    assert np.all(np.isfinite(history.history["loss"]))
+    assert model(inputs).shape == (64, labels.shape[1], 20)
