@@ -1,0 +1,231 @@
+"""Training speed, side by side in one run: our `Transformer` (batched and
+per-head attention) against the same architecture built from keras-hub's
+`TransformerEncoder` / `TransformerDecoder`, with and without XLA, on the same
+Multi30k token batches; and the machine's limit, so that each speed is also a
+model FLOP utilization (MFU).
+
+Models: `small` (3+3 layers, d_model 256, 4 heads, d_ff 1024) and `base-2`
+(the base widths: d_model 512, 8 heads, d_ff 2048, with 2+2 layers), a shared
+8000-piece vocabulary tied to the output projection in both builds, dropout
+0.1, the paper's label-smoothed loss and Adam on the Noam schedule.
+
+The machine's limit is the sustained float32 rate of repeated 2048x2048
+matrix products (`tf.matmul`), measured at the start and at the end of the run.
+
+Model FLOPs (multiply-adds x 2, backward = 2 x forward, so training = 6 x MACs),
+counted from the architecture over the real (non-padding) tokens of each
+batch, for a source of n_s tokens and a target of n_t tokens, width d, d_ff,
+L layers per stack, vocabulary V:
+
+    encoder, per layer:  n_s (4 d^2 + 2 d d_ff) + 2 n_s^2 d
+    decoder, per layer:  n_t (4 d^2 + 2 d d_ff)  + 2 n_t^2 d          (self-attention, FFN)
+                         + 2 n_t d^2 + 2 n_s d^2 + 2 n_t n_s d        (cross-attention)
+    output projection:   n_t d V
+    training FLOPs = 6 x (sum of the above)
+
+(the attention products are counted in full, as they are computed; padding is
+not counted). MFU = achieved model FLOP/s / the measured matmul rate.
+
+The batches: the first `--batches` batches of epoch 0 (4096 tokens each) that
+have the epoch's most frequent shape, so XLA compiles one program per variant.
+Each variant trains one untimed pass (tracing, compilation) and then
+`--repeats` timed passes over them with `model.fit`.
+
+    python scripts/bench_train.py [--batches 8] [--repeats 2] [--json bench_results/train.json]
+"""
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import keras_transformer as kt  # noqa: E402
+from keras_transformer.batching import TokenizedPairs  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = {
+    "small": dict(preset="small"),
+    "base-2": dict(preset="base", num_layers=2),
+}
+
+
+def matmul_limit(size=2048, repeats=10, rounds=5):
+    """Sustained float32 FLOP/s of `repeats` chained size x size products (best of `rounds`)."""
+    a = tf.random.normal([size, size])
+    b = tf.random.normal([size, size]) / size ** 0.5
+
+    @tf.function
+    def chain(x):
+        for _ in range(repeats):
+            x = tf.matmul(x, b)
+        return tf.reduce_sum(x)
+
+    chain(a).numpy()
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        chain(a).numpy()
+        best = min(best, time.perf_counter() - start)
+    return 2 * size ** 3 * repeats / best
+
+
+def batch_flops(source, labels, config):
+    """Training FLOPs of one batch (see the module docstring), over real tokens."""
+    d, d_ff, layers, vocab = config.d_model, config.d_ff, config.num_layers, config.target_vocab
+    n_s = (source != 0).sum(axis=1).astype(np.float64)
+    n_t = (labels != 0).sum(axis=1).astype(np.float64)
+    encoder = layers * (n_s * (4 * d * d + 2 * d * d_ff) + 2 * n_s ** 2 * d)
+    decoder = layers * (n_t * (4 * d * d + 2 * d * d_ff) + 2 * n_t ** 2 * d
+                        + 2 * n_t * d * d + 2 * n_s * d * d + 2 * n_t * n_s * d)
+    return float(6 * np.sum(encoder + decoder + n_t * d * vocab))
+
+
+def keras_hub_transformer(config):
+    """The same architecture from keras-hub layers (post-norm, sinusoidal positions, tied embedding)."""
+    import keras_hub
+
+    source = keras.Input((None,), dtype="int32", name="source_ids")
+    target = keras.Input((None,), dtype="int32", name="target_ids")
+    embedding = keras_hub.layers.ReversibleEmbedding(config.vocab_size, config.d_model,
+                                                     tie_weights=True, name="embedding")
+    scale = keras.layers.Rescaling(config.d_model ** 0.5)
+    positions = keras_hub.layers.SinePositionEncoding()
+
+    def embed(ids, name):
+        x = scale(embedding(ids))
+        x = keras.layers.Add()([x, positions(x)])
+        return keras.layers.Dropout(config.dropout_rate, name=f"{name}_dropout")(x)
+
+    source_mask = keras.ops.not_equal(source, config.pad_id)
+    target_mask = keras.ops.not_equal(target, config.pad_id)
+    memory = embed(source, "source")
+    layer_options = dict(intermediate_dim=config.d_ff, num_heads=config.num_heads,
+                         dropout=config.dropout_rate, layer_norm_epsilon=config.layer_norm_epsilon)
+    for index in range(config.num_layers):
+        memory = keras_hub.layers.TransformerEncoder(**layer_options, name=f"encoder_{index}")(
+            memory, padding_mask=source_mask)
+    hidden = embed(target, "target")
+    for index in range(config.num_layers):
+        hidden = keras_hub.layers.TransformerDecoder(**layer_options, name=f"decoder_{index}")(
+            hidden, memory, decoder_padding_mask=target_mask, encoder_padding_mask=source_mask)
+    logits = embedding(hidden, reverse=True)
+    return keras.Model({"source_ids": source, "target_ids": target}, logits, name="keras_hub")
+
+
+def build(implementation, config, jit_compile):
+    if implementation == "keras-hub":
+        model = keras_hub_transformer(config)
+    else:
+        mode = "per_head" if implementation == "ours per-head" else "batched"
+        model = kt.Transformer(kt.TransformerConfig(**{**config.to_dict(), "attention_mode": mode}))
+    model.compile(optimizer=kt.make_optimizer(config.d_model, warmup_steps=4000),
+                  loss=kt.LabelSmoothedCrossEntropy(0.1, pad_id=config.pad_id),
+                  metrics=[kt.MaskedTokenAccuracy(pad_id=config.pad_id)], jit_compile=jit_compile)
+    return model
+
+
+def time_training(model, dataset, steps, repeats):
+    """Seconds per step: one warm-up epoch (traces and compiles every shape), then `repeats` timed."""
+    model.fit(dataset, epochs=1, verbose=0, shuffle=False)
+    start = time.perf_counter()
+    model.fit(dataset, epochs=repeats, verbose=0, shuffle=False)
+    return (time.perf_counter() - start) / (steps * repeats)
+
+
+def load_batches(count, batch_tokens, data_dir):
+    corpus = kt.load_corpus("multi30k", data_dir=data_dir)
+    sources, targets = corpus["train"]
+    tokenizer = kt.Tokenizer.train(sources + targets, vocab_size=8000)
+    pairs = TokenizedPairs(sources, targets, tokenizer, batch_tokens=batch_tokens, max_length=128)
+    batches = [({k: v.numpy() for k, v in inputs.items()}, labels.numpy())
+               for inputs, labels in pairs.epoch(0, seed=0)]
+    # The most frequent batch shape only: XLA compiles one program per shape,
+    # and compiling a dozen shapes per variant would dominate the run.
+    shapes = [labels.shape for _, labels in batches]
+    common = max(set(shapes), key=shapes.count)
+    return tokenizer.vocab_size, [batch for batch in batches if batch[1].shape == common][:count]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batches", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--batch-tokens", type=int, default=4096)
+    parser.add_argument("--data-dir", default=str(ROOT.parent / "shared" / "data" / "multi30k"))
+    parser.add_argument("--models", default="small,base-2")
+    parser.add_argument("--implementations", default="ours batched,ours per-head,keras-hub")
+    parser.add_argument("--json", default=str(ROOT / "bench_results" / "train.json"))
+    args = parser.parse_args()
+
+    limit_start = matmul_limit()
+    print(f"Matmul limit (float32, 2048x2048): {limit_start / 1e9:.1f} GFLOP/s", flush=True)
+    vocab_size, batches = load_batches(args.batches, args.batch_tokens, args.data_dir)
+    target_tokens = sum(int((labels != 0).sum()) for _, labels in batches)
+
+    def dataset():  # the batches, all of one shape, as a cached in-memory dataset
+        stacked = ({key: np.stack([inputs[key] for inputs, _ in batches])
+                    for key in ("source_ids", "target_ids")},
+                   np.stack([labels for _, labels in batches]))
+        return tf.data.Dataset.from_tensor_slices(stacked).cache()
+
+    rows = []
+    for model_name in args.models.split(","):
+        settings = dict(MODELS[model_name])
+        config = kt.TransformerConfig.from_preset(settings.pop("preset"), vocab_size=vocab_size,
+                                                  **settings)
+        flops = sum(batch_flops(inputs["source_ids"], labels, config) for inputs, labels in batches)
+        for jit_compile in (False, True):
+            for implementation in args.implementations.split(","):
+                keras.utils.set_random_seed(0)
+                model = build(implementation, config, jit_compile)
+                seconds = time_training(model, dataset(), len(batches), args.repeats)
+                row = dict(model=model_name, implementation=implementation, xla=jit_compile,
+                           parameters=model.count_params(), step_ms=seconds * 1e3,
+                           target_tokens_per_s=target_tokens / len(batches) / seconds,
+                           flops_per_target_token=flops / target_tokens,
+                           gflops_per_s=flops / len(batches) / seconds / 1e9)
+                row["mfu"] = row["gflops_per_s"] * 1e9 / limit_start
+                rows.append(row)
+                print(f"  {model_name:<7} {implementation:<14} xla={jit_compile!s:<5} "
+                      f"{row['step_ms']:8.1f} ms/step {row['target_tokens_per_s']:8.0f} tok/s "
+                      f"MFU {row['mfu']:.1%}", flush=True)
+                del model
+                keras.backend.clear_session()
+    limit_end = matmul_limit()
+    print(f"Matmul limit at the end: {limit_end / 1e9:.1f} GFLOP/s\n")
+    report(rows, limit_start, limit_end, target_tokens, len(batches), args)
+
+
+def report(rows, limit_start, limit_end, target_tokens, batches, args):
+    header = ("| model | implementation | XLA | step (ms) | target tokens/s | vs keras-hub | "
+              "GFLOP/token | GFLOP/s | MFU |")
+    print(header)
+    print("|---" * 9 + "|")
+    for row in rows:
+        hub = [r for r in rows if (r["model"], r["xla"], r["implementation"])
+               == (row["model"], row["xla"], "keras-hub")]
+        ratio = row["target_tokens_per_s"] / hub[0]["target_tokens_per_s"] if hub else float("nan")
+        row["vs_keras_hub"] = ratio
+        print(f"| {row['model']} | {row['implementation']} | {'yes' if row['xla'] else 'no'} | "
+              f"{row['step_ms']:.0f} | {row['target_tokens_per_s']:.0f} | {ratio:.2f}x | "
+              f"{row['flops_per_target_token'] / 1e9:.3f} | {row['gflops_per_s']:.1f} | "
+              f"{row['mfu']:.0%} |")
+    result = dict(rows=rows, matmul_gflops_start=limit_start / 1e9, matmul_gflops_end=limit_end / 1e9,
+                  batches=batches, target_tokens=target_tokens, batch_tokens=args.batch_tokens,
+                  repeats=args.repeats, machine=platform.processor() or platform.machine(),
+                  cpus=os.cpu_count(), tensorflow=tf.__version__, keras=keras.__version__)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nJSON: {args.json}")
+
+
+if __name__ == "__main__":
+    main()
