@@ -142,8 +142,7 @@ def _evaluate(args):
 def _average(args):
     from keras_transformer.checkpoints import average_checkpoints, epoch_checkpoints
     from keras_transformer.config import TransformerConfig
-    from keras_transformer.files import atomic_path
-    from keras_transformer.run_directory import RunDirectory
+    from keras_transformer.run_directory import RunDirectory, save_model
     from keras_transformer.training import compile_transformer
     from keras_transformer.transformer import Transformer
     from keras_transformer.validation import UserError
@@ -163,8 +162,7 @@ def _average(args):
     averaged.build()
     averaged.set_weights(model.get_weights())
     output = args.output or str(run.averaged_path)
-    with atomic_path(output, suffix=".keras") as temporary:
-        averaged.save(temporary)
+    save_model(averaged, output)
     names = ", ".join(os.path.basename(path) for path in checkpoints[-args.last:])
     print(f"Averaged {names} into {output}")
     return 0
@@ -176,8 +174,8 @@ def _attention(args):
     from keras_transformer.plots import plot_attention
     from keras_transformer.tokenizer import BOS_ID
 
-    run, model, translator = _load(args)
-    tokenizer = run.tokenizer()
+    _, model, translator = _load(args)
+    tokenizer = translator.tokenizer
     source_ids = translator.encode([args.text]).numpy()
     target = args.target if args.target is not None else translator.translate([args.text])[0][0]
     target_ids = np.concatenate([[BOS_ID], tokenizer.tokenize([target]).numpy()[0]])[None]

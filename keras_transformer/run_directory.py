@@ -22,7 +22,7 @@ import os
 import pathlib
 import shutil
 
-from keras_transformer.files import atomic_write
+from keras_transformer.files import atomic_path, atomic_write
 from keras_transformer.validation import UserError
 
 
@@ -111,3 +111,9 @@ def load_model(path):
     import keras_transformer  # noqa: F401  (registers the layers)
 
     return keras.saving.load_model(os.fspath(path), compile=False, safe_mode=True)
+
+
+def save_model(model, path):
+    """`model.save(path)` atomically: a `.keras` file is complete or absent."""
+    with atomic_path(os.fspath(path), suffix=".keras") as temporary:
+        model.save(temporary)

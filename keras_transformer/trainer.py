@@ -23,8 +23,7 @@ from keras_transformer.batching import TokenizedPairs
 from keras_transformer.checkpoints import EpochCheckpoints, TrainingState, epoch_checkpoints
 from keras_transformer.config import TransformerConfig
 from keras_transformer.data import load_corpus
-from keras_transformer.files import atomic_path
-from keras_transformer.run_directory import RunDirectory
+from keras_transformer.run_directory import RunDirectory, save_model
 from keras_transformer.tokenizer import Tokenizer
 from keras_transformer.training import (build_for_fit, compile_transformer, select_strategy,
                                          worker_index)
@@ -222,8 +221,9 @@ def _fit(options, run, strategy, model, batches, validation, epoch, step, callba
         metrics_log.first_step = state.first_step = skip
         metrics_log.steps_per_epoch = steps
         dataset = _distribute(batches.epochs(first, stop, options.seed, skip), worker[1])
-        model.fit(dataset, initial_epoch=first, epochs=stop, steps_per_epoch=steps - skip if
-                  stop == first + 1 and skip else steps, validation_data=validation_data,
+        # A skipping segment is one epoch long, so `steps - skip` is its length.
+        model.fit(dataset, initial_epoch=first, epochs=stop, steps_per_epoch=steps - skip,
+                  validation_data=validation_data,
                   shuffle=False, verbose=verbose, callbacks=all_callbacks)
         if nan_guard.where or model.stop_training:
             break
@@ -242,18 +242,13 @@ def _finish(run, model, summary, metrics_log, nan_guard, log):
         log(f"Training stopped: the loss became NaN/inf at epoch {epoch}, step {step}. "
             f"Last good checkpoint: {last}.")
         return TrainingResult(summary["status"], run, summary["epochs"], model)
-    _save_model(model, run.model_path)
+    save_model(model, run.model_path)
     summary["status"] = "finished"
     metrics_log.write()
     if summary["epochs"]:
         plot_learning_curve(summary["epochs"], run.curve_path)
     log(f"Finished; the model is in {run.model_path}, metrics in {run.metrics_path}.")
     return TrainingResult("finished", run, summary["epochs"], model)
-
-
-def _save_model(model, path):
-    with atomic_path(path, suffix=".keras") as temporary:
-        model.save(temporary)
 
 
 def _restore(run, model, resuming, log):
