@@ -21,6 +21,7 @@ from typing import NamedTuple
 from keras import ops
 
 from keras_transformer.masks import padding_mask
+from keras_transformer.portable_ops import write_at
 from keras_transformer.validation import check_positive_int
 
 NEG_INF = -1.0e9  # "impossible" log-probability; finite, so 0 * NEG_INF stays 0
@@ -76,7 +77,7 @@ def greedy_search(model, source_ids, max_length=None, max_extra_length=50, min_l
         next_log_probs = ops.take_along_axis(step_log_probs, next_tokens[:, None], axis=-1)[:, 0]
         next_tokens = ops.where(finished, config.pad_id, next_tokens)
         log_probs = log_probs + ops.where(finished, 0.0, next_log_probs)
-        tokens = ops.slice_update(tokens, (0, step), next_tokens[:, None])
+        tokens = write_at(tokens, next_tokens[:, None], step)
         finished = ops.logical_or(finished, ops.equal(next_tokens, config.eos_id))
         return step + 1, tokens, next_tokens, log_probs, finished, decoder_state
 

@@ -20,6 +20,7 @@ import keras
 from keras import ops
 
 from keras_transformer.attention import scaled_dot_product_attention
+from keras_transformer.portable_ops import write_at
 from keras_transformer.validation import check_choice, check_positive_int, check_rate, register
 
 ATTENTION_MODES = ("batched", "per_head")
@@ -160,10 +161,10 @@ class MultiHeadAttention(keras.layers.Layer):
         Returns:
             `(outputs (batch, len_new, d_model), key_cache, value_cache)`.
         """
-        key_cache = ops.slice_update(key_cache, (0, step, 0, 0),
-                                     ops.cast(self.project_heads(query, "key"), key_cache.dtype))
-        value_cache = ops.slice_update(value_cache, (0, step, 0, 0),
-                                       ops.cast(self.project_heads(query, "value"), value_cache.dtype))
+        key_cache = write_at(key_cache, ops.cast(self.project_heads(query, "key"), key_cache.dtype),
+                             step)
+        value_cache = write_at(value_cache,
+                               ops.cast(self.project_heads(query, "value"), value_cache.dtype), step)
         outputs, _ = self.attend_heads(self.project_heads(query, "query"), key_cache, value_cache,
                                        attention_mask)
         return outputs, key_cache, value_cache

@@ -1,0 +1,41 @@
+"""Tensor updates that export everywhere.
+
+`keras.ops.slice_update` lowers to TensorFlow's `XlaDynamicUpdateSlice`,
+which neither tf2onnx nor ONNX Runtime knows, so a decoder that writes its
+key/value cache with it cannot be exported as an ONNX graph. `write_at` does
+the same update with `where` (and a gather when several positions are
+written), which every exporter maps and XLA still compiles to an in-place
+update: side by side in one `tf.while_loop` of 100 writes into a
+`(128, 100, 8, 64)` cache, both took ~6 ms/step without XLA and ~0.15 ms/step
+with it on the 2-core CPU we develop on.
+"""
+
+from keras import ops
+
+
+def write_at(tensor, updates, start):
+    """`tensor` with `updates` written along axis 1 at positions `start, start + 1, ...`.
+
+    Args:
+        tensor: `(batch, length, ...)`.
+        updates: `(batch, len_new, ...)`, the same trailing shape, same dtype.
+        start: scalar int; `start + len_new <= length`.
+
+    Returns:
+        `(batch, length, ...)`: `tensor[:, start + i] = updates[:, i]`.
+
+    Example:
+    >>> import numpy as np
+    >>> ops.convert_to_numpy(write_at(np.zeros((1, 4)), np.array([[7.0, 8.0]]), 1))
+    array([[0., 7., 8., 0.]])
+    """
+    offset = ops.arange(ops.shape(tensor)[1]) - start  # (length,): index into updates
+    len_new = updates.shape[1]
+    if len_new == 1:  # one position (every decoding step): a broadcasting `where`
+        inside = ops.equal(offset, 0)
+    else:
+        len_new = ops.shape(updates)[1]
+        inside = ops.logical_and(ops.greater_equal(offset, 0), ops.less(offset, len_new))
+        updates = ops.take(updates, ops.clip(offset, 0, len_new - 1), axis=1)  # (batch, length, ...)
+    inside = ops.reshape(inside, (1, -1) + (1,) * (len(tensor.shape) - 2))
+    return ops.where(inside, updates, tensor)
