@@ -132,24 +132,34 @@ class Tokenizer:
         """The text that a tokenize/detokenize round trip gives back (see module docstring)."""
         return _SPACES.sub(" ", unicodedata.normalize("NFKC", text)).strip(" ")
 
-    def tokenize(self, strings):
-        """Strings `(batch,)` -> ragged int32 ids `(batch, (length))`, no BOS/EOS."""
+    def tokenize(self, strings, repair_utf8=False):
+        """Strings `(batch,)` -> ragged int32 ids `(batch, (length))`, no BOS/EOS.
+
+        With `repair_utf8`, invalid UTF-8 bytes are first replaced by U+FFFD
+        (as `keras-transformer translate` does with its input lines); without
+        it they go to SentencePiece as they are.
+        """
+        if repair_utf8:
+            strings = tf.strings.unicode_transcode(strings, "UTF-8", "UTF-8", errors="replace",
+                                                   replacement_char=0xFFFD)
         return self._ops().tokenize(strings)
 
-    def encode(self, strings, max_length=None, add_eos=True):
+    def encode(self, strings, max_length=None, add_eos=True, pad_to_max_length=True,
+               repair_utf8=False):
         """Strings `(batch,)` -> padded int32 ids `(batch, length)` for Keras layers.
 
         Appends EOS when `add_eos`; with `max_length`, longer sentences are
-        truncated (keeping the EOS last) and the result is padded to
-        `max_length`.
+        truncated (keeping the EOS last) and, if `pad_to_max_length`, the
+        result is padded to `max_length` (else to its longest sentence).
+        `repair_utf8`: see `tokenize`.
         """
-        ids = self.tokenize(strings)
+        ids = self.tokenize(strings, repair_utf8=repair_utf8)
         if max_length is not None:
             ids = ids[:, : max_length - (1 if add_eos else 0)]
         if add_eos:
             eos = tf.fill([ids.nrows(), 1], tf.constant(EOS_ID, tf.int32))
             ids = tf.concat([ids, eos], axis=1)
-        shape = None if max_length is None else [None, max_length]
+        shape = [None, max_length] if max_length is not None and pad_to_max_length else None
         return ids.to_tensor(default_value=PAD_ID, shape=shape)
 
     def detokenize(self, ids):

@@ -10,7 +10,6 @@ import numpy as np
 import tensorflow as tf
 
 from keras_transformer.decoding import beam_search
-from keras_transformer.tokenizer import EOS_ID, PAD_ID
 
 
 class Translator:
@@ -39,10 +38,8 @@ class Translator:
 
     def encode(self, sentences):
         """Strings -> padded source ids `(batch, len_src)`, EOS-terminated, truncated to max_length."""
-        pieces = self.tokenizer.tokenize(tf.constant(list(sentences), tf.string))
-        pieces = pieces[:, : self.max_source_length - 1]
-        eos = tf.fill([pieces.nrows(), 1], tf.constant(EOS_ID, tf.int32))
-        return tf.concat([pieces, eos], axis=1).to_tensor(default_value=PAD_ID)
+        return self.tokenizer.encode(tf.constant(list(sentences), tf.string),
+                                     max_length=self.max_source_length, pad_to_max_length=False)
 
     def translate(self, sentences, progress=None):
         """Translations of `sentences` (a list of str) as `(texts, scores)`, in input order.
