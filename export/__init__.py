@@ -1,5 +1,12 @@
 """Deployment of keras_transformer models: TF Serving SavedModel and ONNX Runtime.
 
-Imports the library; the library never imports this package. The exporters
-arrive with the deployment work (see README, "Roadmap").
+- `export.graphs`: `TranslationGraphs`, the `tf.function`s every artifact is made of.
+- `export.saved_model`: `export_saved_model`, TF Serving's versioned layout.
+- `export.onnx`: `export_onnx`, the ONNX graphs (tf2onnx).
+- `export.onnx_runtime`: `OnnxTranslator`, translation with ONNX Runtime only.
+- `export.parity`: `check_parity`, Keras == SavedModel == ONNX Runtime.
+- `export.layout`: atomic version directories and `models.config`.
+
+`keras-transformer export` (the CLI) uses them. This package imports the
+library; the library never imports it.
 """

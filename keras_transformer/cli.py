@@ -5,6 +5,8 @@
                                 [--mixed-precision] [--xla] [--grad-accum N] [--resume | --overwrite]
     keras-transformer translate --model runs/NAME [--beam-size 4] < input.txt > output.txt
     keras-transformer evaluate  --model runs/NAME --data DATASET --split test
+    keras-transformer export    --model runs/NAME --format saved_model|onnx --out DIR
+                                [--name NAME] [--version N] [--overwrite]
     keras-transformer average   --model runs/NAME --last 5
     keras-transformer attention --model runs/NAME --text "A sentence." --out attention.png
     keras-transformer presets   [--vocab-size N]
@@ -139,6 +141,39 @@ def _evaluate(args):
     return 0
 
 
+def _export(args):
+    # The exporters live in the top-level `export` package (the library never imports it).
+    from export.graphs import TranslationGraphs
+    from export.layout import check_model_name
+    from keras_transformer.run_directory import load_model, resolve_model
+
+    run, model_path = resolve_model(args.model)
+    name = check_model_name(args.name or os.path.basename(os.path.abspath(run.path)))
+    graphs = TranslationGraphs(load_model(model_path), run.tokenizer(), beam_size=args.beam_size,
+                               length_penalty=args.length_penalty,
+                               max_extra_length=args.max_extra_length)
+    start = time.perf_counter()
+    if args.format == "saved_model":
+        from export.saved_model import export_saved_model
+
+        path = export_saved_model(graphs, args.out, name, version=args.version,
+                                  overwrite=args.overwrite)
+        print(f"Wrote the SavedModel {path} in {time.perf_counter() - start:.0f}s (signatures "
+              f"serving_default, translate_ids, score) and {os.path.join(args.out, 'models.config')}.\n"
+              f"Serve it: docker run -p 8501:8501 -v {os.path.abspath(args.out)}:/models "
+              f"-e MODEL_NAME={name} tensorflow/serving", file=sys.stderr)
+    else:
+        from export.onnx import export_onnx
+
+        def log(line):
+            print(line, file=sys.stderr)
+
+        path = export_onnx(graphs, args.out, overwrite=args.overwrite, log=log)
+        print(f"Wrote the ONNX graphs to {path} in {time.perf_counter() - start:.0f}s.",
+              file=sys.stderr)
+    return 0
+
+
 def _average(args):
     from keras_transformer.checkpoints import average_checkpoints, epoch_checkpoints
     from keras_transformer.config import TransformerConfig
@@ -208,12 +243,13 @@ def _setting(text):
         return key, value
 
 
-def _add_model_arguments(parser, beam=True):
+def _add_model_arguments(parser, beam=True, batch=True):
     parser.add_argument("--model", required=True,
                         help="a run directory (uses its model.keras) or a .keras file inside one")
     if beam:
         parser.add_argument("--beam-size", type=_positive_int, default=4)
         parser.add_argument("--length-penalty", type=float, default=0.6, help="alpha (default 0.6)")
+    if batch:
         parser.add_argument("--batch-size", type=_positive_int, default=64)
 
 
@@ -285,6 +321,21 @@ def build_parser():
     evaluate.add_argument("--limit", type=_positive_int, help="only the first N sentences")
     evaluate.add_argument("--output", help="translations file (default RUN/translations-DATA-SPLIT.txt)")
     evaluate.set_defaults(handler=_evaluate)
+
+    export = commands.add_parser("export", help="write a TF Serving SavedModel or ONNX graphs")
+    _add_model_arguments(export, batch=False)
+    export.add_argument("--max-extra-length", type=int, default=50,
+                        help="output length limit = source length + this (default 50)")
+    export.add_argument("--format", required=True, choices=["saved_model", "onnx"])
+    export.add_argument("--out", required=True,
+                        help="saved_model: the TF Serving base directory (writes OUT/NAME/VERSION and "
+                             "OUT/models.config); onnx: the directory to write")
+    export.add_argument("--name", help="saved_model: the model name (default: the run's directory name)")
+    export.add_argument("--version", type=_positive_int,
+                        help="saved_model: the version (default: one more than the highest there)")
+    export.add_argument("--overwrite", action="store_true",
+                        help="replace an existing version (saved_model) or directory (onnx)")
+    export.set_defaults(handler=_export)
 
     average = commands.add_parser("average", help="average the last N epoch checkpoints")
     average.add_argument("--model", required=True, help="the run directory")

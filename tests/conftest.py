@@ -70,3 +70,16 @@ def synthetic_files(tmp_path_factory):
     (directory / "train.en").write_text("\n".join(sources) + "\n", encoding="utf-8")
     (directory / "train.de").write_text("\n".join(targets) + "\n", encoding="utf-8")
     return directory / "train.en", directory / "train.de"
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory, synthetic_files):
+    """A tiny model trained for 3 epochs through the CLI on the mirrored strategy (a run directory)."""
+    from keras_transformer import cli
+
+    out = tmp_path_factory.mktemp("runs") / "tiny"
+    status = cli.main(["train", "--data", "files:{},{}".format(*synthetic_files), "--out", str(out),
+                       "--epochs", "3", "--strategy", "mirrored", "--preset", "tiny",
+                       "--vocab-size", "300", "--batch-tokens", "1024", "--warmup-steps", "50"])
+    assert status == 0
+    return out

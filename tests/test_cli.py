@@ -83,16 +83,6 @@ def test_console_script_prints_one_error_line_and_exits_2(tmp_path):
     assert "Traceback" not in completed.stderr and not out.exists()
 
 
-@pytest.fixture(scope="module")
-def trained_run(tmp_path_factory, parallel_files):
-    """A tiny model trained for 3 epochs through the CLI on the mirrored strategy."""
-    out = tmp_path_factory.mktemp("runs") / "tiny"
-    status = cli.main(["train", "--data", "files:{},{}".format(*parallel_files), "--out", str(out),
-                       "--epochs", "3", "--strategy", "mirrored", *TINY])
-    assert status == 0
-    return out
-
-
 def test_mirrored_strategy_trains_through_the_cli(trained_run):
     metrics = json.loads((trained_run / "metrics.json").read_text())
     assert metrics["status"] == "finished" and metrics["replicas"] == 2

@@ -1,0 +1,201 @@
+"""The TensorFlow functions that every exported artifact is made of.
+
+`TranslationGraphs` wraps a trained `Transformer`, its SentencePiece model
+and the decoding settings, and defines each exported computation once; the
+SavedModel (`export.saved_model`) registers them as signatures and the ONNX
+exporter (`export.onnx`) converts the same functions with tf2onnx, so every
+runtime runs the same graph.
+
+| function         | inputs                                  | outputs                                   |
+|------------------|-----------------------------------------|-------------------------------------------|
+| `translate_text` | text string (batch,)                    | translation string (batch,), score (batch,) |
+| `translate_ids`  | source_ids int32 (batch, len_src)       | target_ids int32 (batch, max_len), scores (batch,) |
+| `score`          | source, target strings (batch,)         | log_likelihood float32 (batch,)           |
+| `forward`        | source_ids, target_ids int32            | logits float32 (batch, len_tgt, vocab)    |
+| `encode`         | source_ids                              | memory_mask, cross_key_i, cross_value_i   |
+| `decoder_step`   | token_ids (batch,), step (), memory_mask, past_*, cross_* | logits, log_probs (batch, vocab), present_* |
+
+Ids: 0 pad, 1 unk, 2 BOS, 3 EOS. Source ids end with EOS and are padded with
+0; `target_ids` are EOS-terminated and padded with 0 after EOS. Sources
+longer than the model's `max_length` ids are truncated to it (EOS kept last).
+"""
+
+import keras
+import tensorflow as tf
+
+from keras_transformer.decoding import beam_search
+from keras_transformer.masks import padding_mask
+from keras_transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
+from keras_transformer.transformer import Transformer
+from keras_transformer.validation import UserError
+
+
+def float32_model(model):
+    """`model` itself when it computes in float32, else a float32 copy with the same weights.
+
+    A model trained with a mixed policy keeps float32 variables, so the copy
+    loses nothing; exported graphs then have float32 inputs, logits and
+    caches on every runtime (ONNX Runtime's CPU provider has few half-precision kernels).
+    """
+    if model.compute_dtype == "float32" and all(
+            layer.compute_dtype == "float32" for layer in model._flatten_layers()):
+        return model
+    config = model.get_config()
+    config["dtype"] = "float32"
+    copy = Transformer.from_config(config)
+    copy.build()
+    copy.set_weights([keras.ops.convert_to_numpy(w).astype("float32") for w in model.weights])
+    return copy
+
+
+class TranslationGraphs:
+    """The exported computations of one model (see the module docstring).
+
+    Args:
+        model: a trained `Transformer` (made float32 if it is not).
+        tokenizer: its `Tokenizer`.
+        beam_size, length_penalty, max_extra_length: of `beam_search`, fixed
+            into the translate graphs (4, 0.6, 50 as in the paper).
+    """
+
+    def __init__(self, model, tokenizer, beam_size=4, length_penalty=0.6, max_extra_length=50):
+        if not isinstance(tokenizer, Tokenizer):
+            raise TypeError(f"tokenizer must be a keras_transformer Tokenizer; got {tokenizer!r}.")
+        if isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1:
+            raise UserError(f"beam_size must be an integer >= 1; got {beam_size!r}.")
+        if not (isinstance(length_penalty, (int, float)) and length_penalty >= 0):
+            raise UserError(f"length_penalty must be a number >= 0; got {length_penalty!r}.")
+        if isinstance(max_extra_length, bool) or not isinstance(max_extra_length, int) \
+                or max_extra_length < 0:
+            raise UserError(f"max_extra_length must be an integer >= 0; got {max_extra_length!r}.")
+        self.model = float32_model(model)
+        self.tokenizer = tokenizer
+        self.config = self.model.config
+        self.beam_size, self.length_penalty = beam_size, length_penalty
+        self.max_extra_length = max_extra_length
+        self.num_layers = len(self.model.decoder.stack_layers)
+        self.depth = self.config.d_model // self.config.num_heads
+
+    # ------------------------------------------------------------- signatures
+    def specs(self, name):
+        """The `tf.TensorSpec`s (named as the inputs) of the function `name`."""
+        ids = tf.TensorSpec([None, None], tf.int32, name="source_ids")
+        cache = [None, None, self.config.num_heads, self.depth]
+        return {
+            "translate_text": [tf.TensorSpec([None], tf.string, name="text")],
+            "source_ids": [tf.TensorSpec([None], tf.string, name="text")],
+            "translate_ids": [ids],
+            "score": [tf.TensorSpec([None], tf.string, name="source"),
+                      tf.TensorSpec([None], tf.string, name="target")],
+            "forward": [ids, tf.TensorSpec([None, None], tf.int32, name="target_ids")],
+            "encode": [ids],
+            "decoder_step": [
+                tf.TensorSpec([None], tf.int32, name="token_ids"),
+                tf.TensorSpec([], tf.int32, name="step"),
+                tf.TensorSpec([None, 1, None], tf.bool, name="memory_mask"),
+                *[tf.TensorSpec(cache, tf.float32, name=f"{kind}_{i}")
+                  for kind in self.cache_names() for i in range(self.num_layers)],
+            ],
+        }[name]
+
+    def function(self, name, jit_compile=False):
+        """`name` as a `tf.function` with its input signature (traced on first use)."""
+        return tf.function(getattr(self, name), input_signature=self.specs(name),
+                           jit_compile=jit_compile)
+
+    @staticmethod
+    def cache_names():
+        """Kinds of decoder_step cache inputs: past self-attention, then cross-attention keys/values."""
+        return ("past_key", "past_value", "cross_key", "cross_value")
+
+    # ------------------------------------------------------------- functions
+    def translate_text(self, text):
+        """Strings `(batch,)` -> `{"translation": strings, "score": float32}` (beam search)."""
+        result = self.translate_ids(self.source_ids(text, repair_utf8=True))
+        return {"translation": self.tokenizer.decode(result["target_ids"]), "score": result["scores"]}
+
+    def translate_ids(self, source_ids):
+        """Source ids `(batch, len_src)` -> `{"target_ids": (batch, max_len), "scores": (batch,)}`."""
+        # An empty batch arrives as (0, 0); give it one (padding) column so the
+        # encoder's matrix products have a defined inner size. Other inputs
+        # are unchanged (0 columns added).
+        source_ids = tf.pad(source_ids, [[0, 0], [0, tf.maximum(1 - tf.shape(source_ids)[1], 0)]])
+        result = beam_search(self.model, source_ids, beam_size=self.beam_size,
+                             length_penalty=self.length_penalty,
+                             max_extra_length=self.max_extra_length)
+        return {"target_ids": result.ids, "scores": result.scores}
+
+    def score(self, source, target):
+        """Log-likelihood log p(target | source) of each pair `(batch,)` (sum over target tokens + EOS).
+
+        Both sides are tokenized and truncated to the model's `max_length` as
+        in training; an empty target scores its EOS alone.
+        """
+        source_ids = self.source_ids(source, repair_utf8=True)
+        pieces = self.tokenizer.tokenize(target, repair_utf8=True)[:, : self.config.max_length - 1]
+        rows = pieces.nrows()
+        labels = tf.concat([pieces, tf.fill([rows, 1], EOS_ID)], axis=1).to_tensor(PAD_ID)
+        inputs = tf.concat([tf.fill([rows, 1], BOS_ID), pieces], axis=1).to_tensor(PAD_ID)
+        logits = self.forward(source_ids, inputs)["logits"]
+        log_probs = tf.nn.log_softmax(logits, axis=-1)
+        picked = tf.gather(log_probs, labels, batch_dims=2)  # (batch, len_tgt)
+        real = tf.cast(tf.not_equal(labels, PAD_ID), tf.float32)
+        return {"log_likelihood": tf.reduce_sum(picked * real, axis=1)}
+
+    def forward(self, source_ids, target_ids):
+        """Teacher-forced logits `(batch, len_tgt, vocab)` (target_ids = BOS + target)."""
+        logits = self.model({"source_ids": source_ids, "target_ids": target_ids}, training=False)
+        return {"logits": tf.cast(logits, tf.float32)}
+
+    def encode(self, source_ids):
+        """Encoder half of the split graphs: the padding mask and each decoder layer's cross K/V.
+
+        Returns `memory_mask` bool `(batch, 1, len_src)` and `cross_key_i`,
+        `cross_value_i` float32 `(batch, len_src, num_heads, depth)`.
+        """
+        memory = self.model.encode(source_ids, training=False)
+        cache = self.model.init_cache(memory, 1)
+        outputs = {"memory_mask": padding_mask(source_ids, self.config.pad_id)}
+        for kind in ("cross_key", "cross_value"):
+            for i, tensor in enumerate(cache[kind]):
+                outputs[f"{kind}_{i}"] = tensor
+        return outputs
+
+    def decoder_step(self, token_ids, step, memory_mask, *caches):
+        """One cached decoding step: logits for position `step + 1` and the updated self caches.
+
+        `caches` are `past_key_0.., past_value_0.., cross_key_0..,
+        cross_value_0..` in this order (`cache_names`); the past ones are
+        `(batch, max_len, num_heads, depth)` with positions `< step` filled.
+        Returns `logits` and their `log_probs` `(batch, vocab)` (the log-softmax
+        that beam search adds up, computed here so that every runtime rounds it
+        the same way), and `present_key_i`, `present_value_i`.
+        """
+        n = self.num_layers
+        cache = {kind: list(caches[k * n:(k + 1) * n])
+                 for k, kind in enumerate(("self_key", "self_value", "cross_key", "cross_value"))}
+        logits, cache = self.model.decode_step(token_ids, step, cache, memory_mask)
+        outputs = {"logits": logits, "log_probs": tf.nn.log_softmax(logits, axis=-1)}
+        for kind, name in (("self_key", "present_key"), ("self_value", "present_value")):
+            for i, tensor in enumerate(cache[kind]):
+                outputs[f"{name}_{i}"] = tensor
+        return outputs
+
+    # ------------------------------------------------------------- helpers
+    def metadata(self):
+        """What an export was made from: versions, model config and decoding settings."""
+        import keras_transformer
+
+        return {
+            "keras_transformer": keras_transformer.__version__,
+            "tensorflow": tf.__version__,
+            "keras": keras.__version__,
+            "model": self.config.to_dict(),
+            "decoding": {"beam_size": self.beam_size, "length_penalty": self.length_penalty,
+                         "max_extra_length": self.max_extra_length},
+        }
+
+    def source_ids(self, text, repair_utf8=False):
+        """Strings -> padded, EOS-terminated source ids, truncated to `max_length`."""
+        return self.tokenizer.encode(text, max_length=self.config.max_length,
+                                     pad_to_max_length=False, repair_utf8=repair_utf8)

@@ -1,0 +1,206 @@
+"""ONNX graphs of a trained model, for ONNX Runtime.
+
+`export_onnx` converts the functions of `export.graphs.TranslationGraphs`
+with `tf2onnx.convert.from_function` (not `from_keras`, which is broken on
+Keras 3) and writes, atomically (`export.layout.atomic_directory`):
+
+| file                  | inputs                                   | outputs                         |
+|-----------------------|------------------------------------------|---------------------------------|
+| `forward.onnx`        | source_ids, target_ids int32 (batch, len) | logits float32 (batch, len_tgt, vocab) |
+| `translate.onnx`      | source_ids int32 (batch, len_src)        | target_ids int32 (batch, max_len), scores float32 (batch,) |
+| `encoder.onnx`        | source_ids                               | memory_mask bool (batch, 1, len_src), cross_key_i, cross_value_i |
+| `decoder_step.onnx`   | token_ids (batch,), step (), memory_mask, past_key_i, past_value_i, cross_key_i, cross_value_i | logits, log_probs (batch, vocab), present_key_i, present_value_i |
+| `translate_text.onnx` | text string (batch,)                     | translation string (batch,), score float32 (batch,) |
+| `tokenizer.model`     | the SentencePiece model (for the ids graphs) |                             |
+| `export.json`         | versions, model config, decoding settings, each graph's inputs/outputs |         |
+
+Every graph has dynamic batch and length axes, opset 17, and passes
+`onnx.checker.check_model(full_check=True)`. `translate.onnx` holds the
+whole beam search as one ONNX `Loop`; `encoder.onnx` + `decoder_step.onnx`
+are for runtimes that dislike `Loop`, driven by `export.onnx_beam_search`.
+
+`translate_text.onnx` needs onnxruntime-extensions (`ai.onnx.contrib`
+domain): tf2onnx maps tf-text's SentencePiece tokenizer to its
+`SentencepieceTokenizer` (the tokenizer graph is merged in front of
+`translate.onnx` with `onnx.compose`); tf2onnx has no mapping for
+detokenization, so the exporter appends a `Loop` over the batch of the
+extensions' `SentencepieceDecoder` (which decodes one sentence per call). Unlike the
+SavedModel it does not repair invalid UTF-8 (ONNX Runtime's string tensors
+come from `str` in Python, which is always valid).
+"""
+
+import json
+import os
+
+import numpy as np
+import onnx
+from onnx import TensorProto, compose, helper
+
+from export.graphs import TranslationGraphs
+from export.layout import atomic_directory
+
+OPSET = 17
+CONTRIB_DOMAIN = "ai.onnx.contrib"
+
+# file stem -> TranslationGraphs function converted by tf2onnx
+GRAPHS = {
+    "forward": "forward",
+    "translate": "translate_ids",
+    "encoder": "encode",
+    "decoder_step": "decoder_step",
+}
+TEXT_GRAPH = "translate_text"
+
+
+def export_onnx(graphs, out_dir, overwrite=False, log=None):
+    """Writes the ONNX graphs of `graphs` (a `TranslationGraphs`) into `out_dir`; returns its path.
+
+    `log`, if given, is called with a line per graph written.
+    """
+    if not isinstance(graphs, TranslationGraphs):
+        raise TypeError(f"graphs must be a TranslationGraphs; got {graphs!r}.")
+    metadata = {**graphs.metadata(), "opset": OPSET, "graphs": {}}
+    with atomic_directory(out_dir, overwrite=overwrite) as temporary:
+        models = {}
+        for stem in [*GRAPHS, TEXT_GRAPH]:
+            if stem == TEXT_GRAPH:
+                models[stem] = text_graph(graphs, models["translate"])
+            else:
+                models[stem] = convert(graphs, GRAPHS[stem])
+            onnx.checker.check_model(models[stem], full_check=True)
+            path = os.path.join(temporary, f"{stem}.onnx")
+            onnx.save(models[stem], path)
+            metadata["graphs"][stem] = describe(models[stem])
+            if log is not None:
+                log(f"wrote {stem}.onnx ({os.path.getsize(path) / 1e6:.1f} MB)")
+        with open(os.path.join(temporary, "tokenizer.model"), "wb") as handle:
+            handle.write(graphs.tokenizer.model_proto)
+        with open(os.path.join(temporary, "export.json"), "w", encoding="utf-8") as handle:
+            json.dump(metadata, handle, indent=2, sort_keys=True)
+    return os.path.abspath(out_dir)
+
+
+def convert(graphs, name, extra_opset=None):
+    """The ONNX `ModelProto` of the `TranslationGraphs` function `name`."""
+    import tensorflow as tf
+    import tf2onnx
+
+    _patch_tf2onnx()
+    model, _ = tf2onnx.convert.from_function(tf.function(getattr(graphs, name)),
+                                             input_signature=graphs.specs(name), opset=OPSET,
+                                             extra_opset=extra_opset)
+    _name_dynamic_axes(model)
+    model.doc_string = f"keras-transformer {name}"
+    return model
+
+
+def text_graph(graphs, translate):
+    """`translate_text.onnx`: tokenizer graph -> `translate` (the converted beam search) -> detokenizer.
+
+    The tokenizer part (tf-text SentencePiece, truncation, EOS, padding) is
+    converted by tf2onnx; the beam search is the `translate` model itself,
+    merged in with `onnx.compose` (not converted a second time).
+    """
+    tokenize = convert(graphs, "source_ids", extra_opset=[helper.make_opsetid(CONTRIB_DOMAIN, 1)])
+    tokenize = compose.add_prefix(tokenize, "tokenize/")
+    translate = onnx.ModelProto.FromString(translate.SerializeToString())  # a copy
+    translate.opset_import.append(helper.make_opsetid(CONTRIB_DOMAIN, 1))
+    model = compose.merge_models(tokenize, translate,
+                                 io_map=[(tokenize.graph.output[0].name, "source_ids")])
+    _rename(model.graph, "tokenize/text", "text")
+    _rename(model.graph, "scores", "score")
+    model = _append_detokenizer(model, graphs.tokenizer.model_proto)
+    model.doc_string = "keras-transformer translate_text"
+    return model
+
+
+def _name_dynamic_axes(model):
+    """Gives tf2onnx's `unk__N` dynamic axes readable names: `batch`, then `<tensor>_<axis>`."""
+    for value in list(model.graph.input) + list(model.graph.output):
+        for axis, dim in enumerate(value.type.tensor_type.shape.dim):
+            if dim.dim_param.startswith("unk__") or (not dim.dim_param and not dim.HasField("dim_value")):
+                dim.dim_param = "batch" if axis == 0 else f"{value.name}_{axis}"
+
+
+def _rename(graph, old, new):
+    """Renames the graph input/output `old` (and its uses by top-level nodes) to `new`."""
+    for value in list(graph.input) + list(graph.output):
+        if value.name == old:
+            value.name = new
+    for node in graph.node:
+        node.input[:] = [new if name == old else name for name in node.input]
+        node.output[:] = [new if name == old else name for name in node.output]
+
+
+def describe(model):
+    """`{"inputs": {name: [dtype, shape]}, "outputs": ...}` of an ONNX model."""
+    def entries(values):
+        result = {}
+        for value in values:
+            tensor = value.type.tensor_type
+            shape = [d.dim_param or (d.dim_value if d.HasField("dim_value") else None)
+                     for d in tensor.shape.dim]
+            result[value.name] = [TensorProto.DataType.Name(tensor.elem_type).lower(), shape]
+        return result
+
+    return {"inputs": entries(model.graph.input), "outputs": entries(model.graph.output)}
+
+
+def _append_detokenizer(model, sentencepiece_model):
+    """Replaces the graph output `target_ids` by `translation` strings (one `SentencepieceDecoder` per row).
+
+    The decoder drops the control pieces (pad, BOS, EOS), as `Tokenizer.decode`
+    does; rows are EOS-terminated and padded after EOS.
+    """
+    graph = model.graph
+    ids_output = next(o for o in graph.output if o.name == "target_ids")
+    graph.output.remove(ids_output)
+    nodes = [
+        helper.make_node("Cast", ["target_ids"], ["detok_ids64"], to=TensorProto.INT64),
+        helper.make_node("Shape", ["detok_ids64"], ["detok_shape"]),
+        helper.make_node("Gather", ["detok_shape", "detok_zero"], ["detok_rows"], axis=0),
+    ]
+    body = helper.make_graph(
+        [
+            helper.make_node("Gather", ["detok_ids64", "row"], ["row_ids"], axis=0),
+            helper.make_node("SentencepieceDecoder", ["row_ids", "detok_fairseq"], ["row_text"],
+                             domain=CONTRIB_DOMAIN, model=sentencepiece_model),
+            helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+        ],
+        "detokenize_row",
+        [helper.make_tensor_value_info("row", TensorProto.INT64, []),
+         helper.make_tensor_value_info("cond_in", TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("row_text", TensorProto.STRING, [1])],
+    )
+    nodes += [
+        helper.make_node("Loop", ["detok_rows", "", ], ["detok_texts"], body=body),
+        helper.make_node("Reshape", ["detok_texts", "detok_flat"], ["translation"]),
+    ]
+    graph.initializer.extend([
+        helper.make_tensor("detok_zero", TensorProto.INT64, [], [0]),
+        helper.make_tensor("detok_flat", TensorProto.INT64, [1], [-1]),
+        helper.make_tensor("detok_fairseq", TensorProto.BOOL, [1], [False]),
+    ])
+    graph.node.extend(nodes)
+    graph.output.insert(0, helper.make_tensor_value_info("translation", TensorProto.STRING, ["batch"]))
+    return model
+
+
+def _patch_tf2onnx():
+    """tf2onnx 1.17 still uses `np.object` etc. (removed in NumPy 2); Keras ships the fix.
+
+    `keras.src.export.tf2onnx_lib.patch_tf2onnx` is what `model.export(format="onnx")`
+    calls; it is private Keras API, so a missing one is tolerated on NumPy < 2.
+    """
+    try:
+        from keras.src.export.tf2onnx_lib import patch_tf2onnx
+    except ImportError:  # pragma: no cover - a future Keras may move it
+        if int(np.__version__.split(".")[0]) >= 2:
+            raise
+        return
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # its own `hasattr(np, "object")` probe
+        patch_tf2onnx()

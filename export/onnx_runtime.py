@@ -1,0 +1,279 @@
+"""Translating with the exported ONNX graphs in ONNX Runtime, without TensorFlow.
+
+    from export.onnx_runtime import OnnxTranslator
+    translator = OnnxTranslator("exports/demo-onnx")              # translate.onnx (Loop inside)
+    translator = OnnxTranslator("exports/demo-onnx", mode="split")  # encoder + decoder_step
+    texts, scores = translator.translate(["A dog runs."])
+
+Only `numpy`, `onnxruntime` and `sentencepiece` are imported. Text is
+tokenized with the export's `tokenizer.model` through `sentencepiece` (the
+library tf-text wraps, so the ids are the same), truncated to the model's
+`max_length` (EOS kept last) and batched by length.
+
+Limits of the ONNX graphs (not of the SavedModel): `translate.onnx` and
+`translate_text.onnx` need a batch of at least one sentence (tf2onnx's
+`Reshape`s read a 0 as "keep this dimension"; the classes here return empty
+results for an empty batch themselves), and ONNX Runtime's string tensors end
+at the first NUL character ("a\x00b" is translated as "a").
+
+`SplitBeamSearch` is the NumPy beam search that drives `encoder.onnx` and
+`decoder_step.onnx`: the same algorithm, in the same float32 arithmetic, as
+`keras_transformer.decoding.beam_search` (GNMT length penalty, a pool of
+finished hypotheses, the same stopping rule and tie-breaking), so it returns
+the same tokens.
+"""
+
+import json
+import os
+
+import numpy as np
+
+NEG_INF = np.float32(-1.0e9)  # as keras_transformer.decoding
+UNK_ID = 1  # kept by detokenization (keras_transformer.tokenizer)
+
+
+def make_session(path, threads=None):
+    """An `onnxruntime.InferenceSession` for `path`, with onnxruntime-extensions when it needs them.
+
+    Note: in a process that has imported TensorFlow, creating a session that
+    uses the extensions' SentencePiece ops crashed (SIGSEGV) with
+    onnxruntime-extensions 0.15.2 and TensorFlow 2.21 (two copies of
+    SentencePiece/protobuf); run text graphs in a process without TensorFlow.
+    """
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    if threads:
+        options.intra_op_num_threads = threads
+    with open(path, "rb") as handle:
+        model_bytes = handle.read()
+    if b"ai.onnx.contrib" in model_bytes:
+        import onnxruntime_extensions
+
+        options.register_custom_ops_library(onnxruntime_extensions.get_library_path())
+    return onnxruntime.InferenceSession(model_bytes, options, providers=["CPUExecutionProvider"])
+
+
+class SplitBeamSearch:
+    """Beam search over `encoder.onnx` + `decoder_step.onnx` (see the module docstring).
+
+    Args:
+        export_dir: the directory `export_onnx` wrote.
+        threads: ONNX Runtime intra-op threads (default: all cores).
+    """
+
+    def __init__(self, export_dir, threads=None):
+        with open(os.path.join(export_dir, "export.json"), encoding="utf-8") as handle:
+            metadata = json.load(handle)
+        self.config = metadata["model"]
+        decoding = metadata["decoding"]
+        self.beam_size, self.alpha = decoding["beam_size"], np.float32(decoding["length_penalty"])
+        self.max_extra_length = decoding["max_extra_length"]
+        self.num_layers = self.config["num_decoder_layers"] or self.config["num_layers"]
+        self.encoder = make_session(os.path.join(export_dir, "encoder.onnx"), threads)
+        self.decoder = make_session(os.path.join(export_dir, "decoder_step.onnx"), threads)
+
+    def penalty(self, length):
+        """GNMT length penalty ((5 + length) / 6) ** alpha, in float32."""
+        return np.power((np.float32(5.0) + np.asarray(length, np.float32)) / np.float32(6.0),
+                        self.alpha)
+
+    def __call__(self, source_ids):
+        """Source ids int32 `(batch, len_src)` -> `(target_ids (batch, max_len), scores (batch,))`."""
+        source_ids = np.asarray(source_ids, np.int32)
+        if source_ids.shape[1] == 0:  # an empty batch, or no columns: one padding column
+            source_ids = np.zeros((source_ids.shape[0], 1), np.int32)
+        config, beam = self.config, self.beam_size
+        batch, source_length = source_ids.shape
+        pad, eos = config["pad_id"], config["eos_id"]
+        lengths = np.sum(source_ids != pad, axis=1).astype(np.int32)
+        limits = np.clip(lengths + self.max_extra_length, 1, config["max_length"])
+        max_len = int(np.clip(source_length + self.max_extra_length, 1, config["max_length"]))
+        if batch == 0:
+            return np.zeros((0, max_len), np.int32), np.zeros((0,), np.float32)
+
+        encoded = dict(zip([o.name for o in self.encoder.get_outputs()],
+                           self.encoder.run(None, {"source_ids": source_ids})))
+        n, heads, depth = self.num_layers, config["num_heads"], config["d_model"] // config["num_heads"]
+        feed = {"memory_mask": np.repeat(encoded["memory_mask"], beam, axis=0)}
+        for kind in ("cross_key", "cross_value"):
+            for i in range(n):
+                feed[f"{kind}_{i}"] = np.repeat(encoded[f"{kind}_{i}"], beam, axis=0)
+        empty_cache = np.zeros((batch * beam, max_len, heads, depth), np.float32)
+        for kind in ("past_key", "past_value"):
+            for i in range(n):
+                feed[f"{kind}_{i}"] = empty_cache
+
+        alive = np.full((batch, beam, max_len), pad, np.int32)
+        alive_log_probs = np.tile(np.array([0.0] + [NEG_INF] * (beam - 1), np.float32), (batch, 1))
+        last = np.full((batch * beam,), config["bos_id"], np.int32)
+        finished = alive.copy()
+        finished_scores = np.full((batch, beam), NEG_INF, np.float32)
+        finished_log_probs = finished_scores.copy()
+        best_possible_penalty = self.penalty(limits)
+        output_names = [o.name for o in self.decoder.get_outputs()]
+        rows = np.arange(batch)[:, None]
+
+        for step in range(max_len):
+            done = np.logical_or(finished_scores[:, -1] >= alive_log_probs[:, 0] / best_possible_penalty,
+                                 step >= limits)
+            if done.all():
+                break
+            feed["token_ids"], feed["step"] = last, np.array(step, np.int32)
+            outputs = dict(zip(output_names, self.decoder.run(None, feed)))
+            log_probs = outputs["log_probs"].reshape(batch, beam, -1)
+            vocab = log_probs.shape[-1]
+            is_last = (step >= limits - 1)[:, None, None]
+            not_eos = np.arange(vocab) != eos
+            log_probs = np.where(np.logical_and(is_last, not_eos), NEG_INF, log_probs)
+            candidates = (alive_log_probs[:, :, None] + log_probs).reshape(batch, -1)
+            top_index = _top_k(candidates, beam)
+            top_log_probs = np.take_along_axis(candidates, top_index, axis=1)
+            origin, tokens = top_index // vocab, (top_index % vocab).astype(np.int32)
+            sequences = np.take_along_axis(alive, origin[:, :, None], axis=1)
+            sequences[:, :, step] = tokens
+            is_eos = tokens == eos
+
+            eos_log_probs = np.where(is_eos, top_log_probs, NEG_INF).astype(np.float32)
+            pool_scores = np.concatenate(
+                [finished_scores, eos_log_probs / self.penalty(step + 1)], axis=1)
+            pool_log_probs = np.concatenate([finished_log_probs, eos_log_probs], axis=1)
+            pool = np.concatenate([finished, sequences], axis=1)
+            keep = _top_k(pool_scores, beam)
+            finished_scores = np.take_along_axis(pool_scores, keep, axis=1)
+            finished_log_probs = np.take_along_axis(pool_log_probs, keep, axis=1)
+            finished = pool[rows, keep]
+            alive = sequences
+            alive_log_probs = np.where(is_eos, NEG_INF, top_log_probs).astype(np.float32)
+            last = tokens.reshape(-1)
+            flat_origin = (rows * beam + origin).reshape(-1)
+            for i in range(n):
+                feed[f"past_key_{i}"] = outputs[f"present_key_{i}"][flat_origin]
+                feed[f"past_value_{i}"] = outputs[f"present_value_{i}"][flat_origin]
+        return finished[:, 0], finished_scores[:, 0]
+
+
+def _top_k(values, k):
+    """Indices of the k largest per row, largest first, ties to the lower index (as `tf.math.top_k`)."""
+    return np.argsort(-values, axis=1, kind="stable")[:, :k]
+
+
+class FullGraphSearch:
+    """`translate.onnx`: the whole beam search as one ONNX `Loop`."""
+
+    def __init__(self, export_dir, threads=None):
+        self.session = make_session(os.path.join(export_dir, "translate.onnx"), threads)
+        self.names = [o.name for o in self.session.get_outputs()]
+
+    def __call__(self, source_ids):
+        source_ids = np.asarray(source_ids, np.int32)
+        if source_ids.shape[0] == 0:  # the graph's reshapes need a batch >= 1 (module docstring)
+            return np.zeros((0, 1), np.int32), np.zeros((0,), np.float32)
+        outputs = dict(zip(self.names, self.session.run(None, {"source_ids": source_ids})))
+        return outputs["target_ids"], outputs["scores"]
+
+
+class TextGraph:
+    """`translate_text.onnx`: strings in, strings out, tokenization inside (onnxruntime-extensions)."""
+
+    def __init__(self, export_dir, threads=None):
+        self.session = make_session(os.path.join(export_dir, "translate_text.onnx"), threads)
+        self.names = [o.name for o in self.session.get_outputs()]
+
+    def __call__(self, sentences):
+        sentences = list(sentences)
+        if not sentences:
+            return [], np.zeros((0,), np.float32)
+        outputs = dict(zip(self.names, self.session.run(
+            None, {"text": np.array(sentences, dtype=object)})))
+        return [str(t) for t in outputs["translation"]], outputs["score"]
+
+
+class OnnxTranslator:
+    """Text in, text out with ONNX Runtime (see the module docstring).
+
+    Args:
+        export_dir: the directory `export_onnx` wrote.
+        mode: `"full"` (`translate.onnx`), `"split"` (`encoder.onnx` +
+            `decoder_step.onnx` with `SplitBeamSearch`), or `"text"`
+            (`translate_text.onnx`; needs onnxruntime-extensions, and a
+            process without TensorFlow: see `make_session`).
+        batch_size: sentences per call.
+        threads: ONNX Runtime intra-op threads.
+    """
+
+    MODES = ("full", "split", "text")
+
+    def __init__(self, export_dir, mode="full", batch_size=64, threads=None):
+        import sentencepiece
+
+        if mode not in self.MODES:
+            raise ValueError(f"mode must be one of {self.MODES}; got {mode!r}.")
+        with open(os.path.join(export_dir, "export.json"), encoding="utf-8") as handle:
+            self.config = json.load(handle)["model"]
+        self.processor = sentencepiece.SentencePieceProcessor(
+            model_file=os.path.join(export_dir, "tokenizer.model"))
+        self.mode = mode
+        search = {"full": FullGraphSearch, "split": SplitBeamSearch, "text": TextGraph}[mode]
+        self.search = search(export_dir, threads)
+        self.batch_size = batch_size
+
+    def encode(self, sentences):
+        """Strings -> source ids `(batch, len_src)`: pieces truncated to max_length - 1, EOS, padding."""
+        config = self.config
+        pieces = [ids[: config["max_length"] - 1] + [config["eos_id"]]
+                  for ids in self.processor.encode(list(sentences))]
+        source_ids = np.full((len(pieces), max(map(len, pieces), default=1)), config["pad_id"], np.int32)
+        for row, ids in enumerate(pieces):
+            source_ids[row, : len(ids)] = ids
+        return source_ids
+
+    def decode(self, target_ids):
+        """EOS-terminated ids `(batch, max_len)` -> strings (special ids dropped, as `Tokenizer.decode`)."""
+        config, texts = self.config, []
+        for row in np.asarray(target_ids):
+            row = row.tolist()
+            row = row[: row.index(config["eos_id"])] if config["eos_id"] in row else row
+            texts.append(self.processor.decode([i for i in row if i > config["eos_id"] or i == UNK_ID]))
+        return texts
+
+    def translate(self, sentences):
+        """`(texts, scores)` for a list of strings, in input order."""
+        sentences = list(sentences)
+        texts, scores = [""] * len(sentences), np.zeros(len(sentences), np.float32)
+        lengths = [len(ids) for ids in self.processor.encode(sentences)]
+        order = np.argsort(lengths, kind="stable")
+        for start in range(0, len(order), self.batch_size):
+            batch = [sentences[i] for i in order[start: start + self.batch_size]]
+            if self.mode == "text":
+                batch_texts, batch_scores = self.search(batch)
+            else:
+                ids, batch_scores = self.search(self.encode(batch))
+                batch_texts = self.decode(ids)
+            for index, text, score in zip(order[start: start + self.batch_size], batch_texts,
+                                          batch_scores):
+                texts[index], scores[index] = text, score
+        return texts, scores
+
+
+def main(argv=None):
+    """`python -m export.onnx_runtime DIR [--mode full|split|text]`: stdin lines -> translations."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m export.onnx_runtime",
+                                     description=main.__doc__.split(":", 1)[1].strip())
+    parser.add_argument("export_dir")
+    parser.add_argument("--mode", choices=OnnxTranslator.MODES, default="full")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--scores", action="store_true", help="append a tab and the score")
+    args = parser.parse_args(argv)
+    lines = [raw.rstrip(b"\r\n").decode("utf-8", errors="replace") for raw in sys.stdin.buffer]
+    texts, scores = OnnxTranslator(args.export_dir, args.mode, args.batch_size).translate(lines)
+    for text, score in zip(texts, scores):
+        sys.stdout.write(f"{text}\t{score:.4f}\n" if args.scores else f"{text}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,70 @@
+"""String-in/string-out SavedModel for TF Serving, with beam search inside.
+
+`export_saved_model` writes `DIR/<name>/<version>/` (TF Serving's layout,
+atomically: `export.layout`) and `DIR/models.config`. The SavedModel holds
+the model's variables, the SentencePiece model (as tf-text ops, which the
+stock `tensorflow/serving` binary includes) and these signatures:
+
+| signature         | inputs                             | outputs                                          |
+|-------------------|------------------------------------|--------------------------------------------------|
+| `serving_default` | `text` string (-1)                 | `translation` string (-1), `score` float32 (-1)  |
+| `translate_ids`   | `source_ids` int32 (-1, -1)        | `target_ids` int32 (-1, -1), `scores` float32 (-1) |
+| `score`           | `source`, `target` string (-1)     | `log_likelihood` float32 (-1)                    |
+
+Loading needs only `tensorflow` and `tensorflow_text` (for its ops):
+
+    import tensorflow as tf, tensorflow_text  # noqa: F401 (registers the SentencePiece ops)
+    translate = tf.saved_model.load("exports/demo/1").signatures["serving_default"]
+    translate(text=tf.constant(["A dog runs."]))["translation"]
+
+Input handling in `serving_default` and `score`: invalid UTF-8 bytes become
+U+FFFD; text is NFKC-normalized by the tokenizer; a source longer than the
+model's `max_length` pieces is truncated to it (EOS kept last); an empty or
+whitespace-only string translates like an empty sentence. Every input gives
+exactly one output.
+"""
+
+import json
+import os
+
+import keras
+
+from export.graphs import TranslationGraphs
+from export.layout import atomic_directory, check_model_name, next_version, write_models_config
+
+SIGNATURES = (("serving_default", "translate_text"), ("translate_ids", "translate_ids"),
+              ("score", "score"))
+
+
+def export_saved_model(graphs, out_dir, name, version=None, overwrite=False):
+    """Writes `graphs` (a `TranslationGraphs`) as `out_dir/name/version/`; returns that path.
+
+    Args:
+        graphs: the model, tokenizer and decoding settings to export.
+        out_dir: the TF Serving base directory (`--model_base_path`'s parent).
+        name: the model name (TF Serving's `model_name`).
+        version: a positive integer; default one more than the highest there.
+        overwrite: replace an existing version (else a `UserError`).
+    """
+    if not isinstance(graphs, TranslationGraphs):
+        raise TypeError(f"graphs must be a TranslationGraphs; got {graphs!r}.")
+    check_model_name(name)
+    model_dir = os.path.join(out_dir, name)
+    if version is None:
+        version = next_version(model_dir)
+    path = os.path.join(model_dir, str(int(version)))
+    with atomic_directory(path, overwrite=overwrite) as temporary:
+        archive = keras.export.ExportArchive()
+        archive.track(graphs.model)
+        for signature, function in SIGNATURES:
+            archive.add_endpoint(signature, graphs.function(function))
+        archive.write_out(temporary, verbose=False)
+        extra = os.path.join(temporary, "assets.extra")  # TF Serving ignores this directory
+        os.makedirs(extra, exist_ok=True)
+        with open(os.path.join(extra, "tokenizer.model"), "wb") as handle:
+            handle.write(graphs.tokenizer.model_proto)
+        with open(os.path.join(extra, "export.json"), "w", encoding="utf-8") as handle:
+            json.dump(graphs.metadata(), handle, indent=2, sort_keys=True)
+    write_models_config(out_dir)
+    return path
+

@@ -1,0 +1,345 @@
+"""Export: the SavedModel (TF Serving) and the ONNX graphs translate exactly
+like `keras-transformer translate`; bad input never breaks `serving_default`;
+a killed export leaves no visible version."""
+
+import hashlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from export.layout import check_model_name, remove_abandoned, versions, write_models_config
+from keras_transformer import cli
+from keras_transformer.validation import UserError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SENTENCES = 100
+
+
+def _env():
+    return {**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "2"}
+
+
+@pytest.fixture(scope="module")
+def sentences(synthetic_files):
+    lines = synthetic_files[0].read_text(encoding="utf-8").splitlines()
+    return lines[-SENTENCES:]
+
+
+@pytest.fixture(scope="module")
+def exported(trained_run, tmp_path_factory):
+    """`keras-transformer export` of the tiny run, both formats."""
+    directory = tmp_path_factory.mktemp("exports")
+    serving, onnx_dir = directory / "serving", directory / "onnx"
+    assert cli.main(["export", "--model", str(trained_run), "--format", "saved_model",
+                     "--out", str(serving), "--name", "tiny"]) == 0
+    assert cli.main(["export", "--model", str(trained_run), "--format", "onnx",
+                     "--out", str(onnx_dir)]) == 0
+    return serving, onnx_dir
+
+
+@pytest.fixture(scope="module")
+def cli_translations(trained_run, sentences):
+    """What `keras-transformer translate` prints for the sentences."""
+    completed = subprocess.run(
+        [sys.executable, "-m", "keras_transformer.cli", "translate", "--model", str(trained_run)],
+        input="\n".join(sentences) + "\n", capture_output=True, text=True, env=_env(), check=True)
+    translations = completed.stdout.split("\n")[:-1]
+    assert len(translations) == len(sentences)
+    return translations
+
+
+@pytest.fixture(scope="module")
+def serving_default(exported):
+    return tf.saved_model.load(str(exported[0] / "tiny" / "1")).signatures["serving_default"]
+
+
+def test_saved_model_layout_and_models_config(exported):
+    serving, _ = exported
+    assert versions(serving / "tiny") == [1]
+    version = serving / "tiny" / "1"
+    assert (version / "saved_model.pb").is_file() and (version / "variables").is_dir()
+    assert (version / "assets.extra" / "tokenizer.model").is_file()
+    metadata = json.loads((version / "assets.extra" / "export.json").read_text())
+    assert metadata["decoding"] == {"beam_size": 4, "length_penalty": 0.6, "max_extra_length": 50}
+    config = (serving / "models.config").read_text()
+    assert 'name: "tiny"' in config and 'base_path: "/models/tiny"' in config
+    assert not [e for e in os.listdir(serving / "tiny") if e.startswith(".")]
+
+
+FRESH_PROCESS = """
+import json, sys
+import tensorflow as tf
+import tensorflow_text  # noqa: F401  (registers the SentencePiece ops, as TF Serving links them)
+sentences = json.load(sys.stdin)
+translate = tf.saved_model.load(sys.argv[1]).signatures["serving_default"]
+outputs = translate(text=tf.constant(sentences))
+print(json.dumps({
+    "translations": [t.decode("utf-8") for t in outputs["translation"].numpy()],
+    "scores": outputs["score"].numpy().tolist(),
+    "project_modules": sorted(m for m in sys.modules if m.split(".")[0] in ("keras_transformer", "export")),
+}))
+"""
+
+
+def test_fresh_process_with_only_tensorflow_matches_translate_cli(exported, sentences, cli_translations):
+    completed = subprocess.run(
+        [sys.executable, "-c", FRESH_PROCESS, str(exported[0] / "tiny" / "1")],
+        input=json.dumps(sentences), capture_output=True, text=True, cwd="/", env={
+            k: v for k, v in _env().items() if k != "PYTHONPATH"}, check=True)
+    result = json.loads(completed.stdout)
+    assert result["project_modules"] == []
+    assert result["translations"] == cli_translations
+    assert np.all(np.isfinite(result["scores"]))
+
+
+def test_saved_model_cli_shows_the_three_signatures(exported):
+    tool = os.path.join(os.path.dirname(sys.executable), "saved_model_cli")
+    shown = subprocess.run([tool, "show", "--all", "--dir", str(exported[0] / "tiny" / "1")],
+                           capture_output=True, text=True, env=_env(), check=True).stdout
+
+    def signature(name):
+        match = re.search(rf"signature_def\['{name}'\]:(.*?)Method name is", shown, re.S)
+        assert match, f"no signature {name} in:\n{shown}"
+        return {key: (dtype, shape) for key, dtype, shape in re.findall(
+            r"(?:inputs|outputs)\['(\w+)'\] tensor_info:\s+dtype: (\w+)\s+shape: (\([^)]*\))",
+            match.group(1))}
+
+    assert signature("serving_default") == {
+        "text": ("DT_STRING", "(-1)"), "translation": ("DT_STRING", "(-1)"), "score": ("DT_FLOAT", "(-1)")}
+    assert signature("translate_ids") == {
+        "source_ids": ("DT_INT32", "(-1, -1)"), "target_ids": ("DT_INT32", "(-1, -1)"),
+        "scores": ("DT_FLOAT", "(-1)")}
+    assert signature("score") == {
+        "source": ("DT_STRING", "(-1)"), "target": ("DT_STRING", "(-1)"),
+        "log_likelihood": ("DT_FLOAT", "(-1)")}
+
+
+def _check_outputs(serving_default, texts):
+    outputs = serving_default(text=tf.constant(texts, tf.string))
+    translations, scores = outputs["translation"].numpy(), outputs["score"].numpy()
+    assert translations.shape == scores.shape == (len(texts),)
+    assert np.all(np.isfinite(scores)) and np.all(scores <= 0)
+    for text in translations:
+        text.decode("utf-8")  # valid UTF-8
+    return [t.decode("utf-8") for t in translations], scores
+
+
+def test_serving_default_survives_bad_input(serving_default):
+    bad = [b"", b"     ", b" \t\n\r ", ("word " * 2000).encode(), b"\xff\xfe caf\xc3 \x80", b"nul\x00 and \x07\x1b[31m",
+           "\U0001F600\U0001F680 \u65e5\u672c\u8a9e \u0627\u0644\u0639\u0631\u0628\u064a\u0629 "
+           "\u0928\u092e\u0938\u094d\u0924\u0947".encode(), "a\u0301\u200b\ufeff".encode()]
+    translations, _ = _check_outputs(serving_default, bad)
+    assert translations[0] == translations[1]  # spaces only: the empty sentence (NFKC + strip)
+    empty = serving_default(text=tf.constant([], tf.string))
+    assert empty["translation"].shape == (0,) and empty["score"].shape == (0,)
+    rng = np.random.default_rng(0)
+    words = ["the", "dog", "sees", "a", "cat", "\u00e9t\u00e9", "\U0001F600"]
+    batch = [" ".join(rng.choice(words, size=rng.integers(0, 60))) for _ in range(512)]
+    _check_outputs(serving_default, batch)
+
+
+def test_long_source_is_truncated_to_max_length(serving_default, trained_run):
+    from keras_transformer.run_directory import RunDirectory
+
+    tokenizer = RunDirectory(trained_run).tokenizer()
+    max_length = RunDirectory(trained_run).settings()["model"]["max_length"]
+    long = "the dog sees the cat " * 2000
+    pieces = tokenizer.tokenize(tf.constant([long]))[0, : max_length - 1]
+    prefix = tokenizer.detokenize(pieces[None]).numpy()[0]
+    translations, scores = _check_outputs(serving_default, [long.encode(), prefix])
+    assert translations[0] == translations[1] and scores[0] == pytest.approx(scores[1], abs=1e-4)
+
+
+def test_random_unicode_never_raises_or_changes_batch_size(serving_default):
+    rng = np.random.default_rng(1)
+    ranges = [(0x0, 0x7F), (0x80, 0x7FF), (0x800, 0xD7FF), (0xE000, 0xFFFD), (0x10000, 0x10FFFF)]
+    strings = []
+    for _ in range(300):
+        chars = []
+        for _ in range(rng.integers(0, 40)):
+            low, high = ranges[rng.integers(len(ranges))]
+            chars.append(chr(rng.integers(low, high + 1)))
+        strings.append("".join(chars).encode("utf-8", errors="surrogatepass"))
+    for start in range(0, len(strings), 100):
+        _check_outputs(serving_default, strings[start:start + 100])
+
+
+def test_score_signature_is_the_models_log_likelihood(exported, trained_run, synthetic_files):
+    import keras
+
+    from keras_transformer.run_directory import RunDirectory, load_model
+    from keras_transformer.tokenizer import BOS_ID, PAD_ID
+
+    sources = synthetic_files[0].read_text(encoding="utf-8").splitlines()[:8] + ["", "x"]
+    targets = synthetic_files[1].read_text(encoding="utf-8").splitlines()[:8] + ["", ""]
+    score = tf.saved_model.load(str(exported[0] / "tiny" / "1")).signatures["score"]
+    log_likelihood = score(source=tf.constant(sources), target=tf.constant(targets))["log_likelihood"]
+
+    model, tokenizer = load_model(trained_run / "model.keras"), RunDirectory(trained_run).tokenizer()
+    source_ids = tokenizer.encode(tf.constant(sources)).numpy()
+    labels = tokenizer.encode(tf.constant(targets)).numpy()
+    inputs = np.concatenate([np.full((len(targets), 1), BOS_ID), labels[:, :-1]], axis=1)
+    inputs = np.where(inputs == 3, PAD_ID, inputs)  # EOS never enters the decoder
+    log_probs = keras.ops.log_softmax(model({"source_ids": source_ids, "target_ids": inputs}), axis=-1)
+    picked = np.take_along_axis(np.asarray(log_probs), labels[..., None], axis=-1)[..., 0]
+    expected = np.sum(np.where(labels != PAD_ID, picked, 0.0), axis=1)
+    np.testing.assert_allclose(log_likelihood.numpy(), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_onnx_graphs_are_valid_with_dynamic_axes(exported):
+    import onnx
+
+    onnx_dir = exported[1]
+    for stem in ("forward", "translate", "encoder", "decoder_step", "translate_text"):
+        model = onnx.load(str(onnx_dir / f"{stem}.onnx"))
+        onnx.checker.check_model(model, full_check=True)
+        assert max(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")) >= 17
+        first_input = model.graph.input[0].type.tensor_type.shape.dim
+        assert first_input[0].dim_param == "batch", stem
+        if stem != "decoder_step":
+            assert all(d.dim_param for d in first_input), stem  # batch and length are dynamic
+    assert (onnx_dir / "tokenizer.model").is_file()
+    metadata = json.loads((onnx_dir / "export.json").read_text())
+    assert set(metadata["graphs"]) == {"forward", "translate", "encoder", "decoder_step",
+                                       "translate_text"}
+
+
+def test_onnx_runtime_matches_keras(exported, trained_run, sentences, cli_translations):
+    from export.onnx_runtime import FullGraphSearch, OnnxTranslator, SplitBeamSearch, make_session
+    from export.parity import max_logit_difference
+    from keras_transformer.run_directory import RunDirectory, load_model
+    from keras_transformer.translator import Translator
+
+    onnx_dir = str(exported[1])
+    model, tokenizer = load_model(trained_run / "model.keras"), RunDirectory(trained_run).tokenizer()
+    # 1. forward.onnx: logits within 1e-4, teacher-forced on the CLI's translations.
+    assert max_logit_difference(model, tokenizer, onnx_dir, sentences, cli_translations) < 1e-4
+
+    # 2, 3. translate.onnx and encoder + decoder_step: the same tokens as Keras's beam search.
+    translator = Translator(model, tokenizer)
+    source_ids = translator.encode(sentences).numpy()
+    keras_ids, keras_scores = (t.numpy() for t in translator._search(source_ids))
+    for search in (FullGraphSearch(onnx_dir), SplitBeamSearch(onnx_dir)):
+        ids, scores = search(source_ids)
+        np.testing.assert_array_equal(ids, keras_ids)
+        np.testing.assert_allclose(scores, keras_scores, atol=1e-4)
+    for mode in ("full", "split"):
+        assert OnnxTranslator(onnx_dir, mode).translate(sentences)[0] == cli_translations, mode
+
+    # decoder_step.onnx's logits at the first step against Keras's decode_step.
+    encoded = make_session(os.path.join(onnx_dir, "encoder.onnx"))
+    names = [o.name for o in encoded.get_outputs()]
+    encoded = dict(zip(names, encoded.run(None, {"source_ids": source_ids[:4]})))
+    layers, config = len(model.decoder.stack_layers), model.config
+    shape = (4, 10, config.num_heads, config.d_model // config.num_heads)
+    feed = {"token_ids": np.full(4, config.bos_id, np.int32), "step": np.array(0, np.int32),
+            "memory_mask": encoded["memory_mask"],
+            **{f"{kind}_{i}": np.zeros(shape, np.float32)
+               for kind in ("past_key", "past_value") for i in range(layers)},
+            **{f"{kind}_{i}": encoded[f"{kind}_{i}"]
+               for kind in ("cross_key", "cross_value") for i in range(layers)}}
+    step = make_session(os.path.join(onnx_dir, "decoder_step.onnx"))
+    onnx_logits = step.run(["logits"], feed)[0]
+    from keras_transformer.masks import padding_mask
+
+    cache = model.init_cache(model.encode(source_ids[:4]), 10)
+    keras_logits, _ = model.decode_step(feed["token_ids"], 0, cache, padding_mask(source_ids[:4], 0))
+    np.testing.assert_allclose(onnx_logits, np.asarray(keras_logits), atol=1e-4)
+
+
+def test_onnx_text_graph_matches_translate_cli(exported, sentences, cli_translations):
+    from export.parity import translate_in_subprocess
+
+    # Text in, text out with onnxruntime-extensions, in a process without TensorFlow.
+    assert translate_in_subprocess(str(exported[1]), sentences, "text") == cli_translations
+
+
+def _tree_digest(path):
+    digest = hashlib.sha256()
+    for directory, _, files in sorted(os.walk(path)):
+        for name in sorted(files):
+            with open(os.path.join(directory, name), "rb") as handle:
+                digest.update(name.encode() + handle.read())
+    return digest.hexdigest()
+
+
+def test_killed_export_leaves_no_visible_version(exported, trained_run):
+    serving = exported[0]
+    before = _tree_digest(serving / "tiny" / "1")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "keras_transformer.cli", "export", "--model", str(trained_run),
+         "--format", "saved_model", "--out", str(serving), "--name", "tiny"],
+        env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 180
+    while time.time() < deadline and process.poll() is None:
+        partial = [e for e in os.listdir(serving / "tiny") if e.startswith(".partial-")]
+        if partial and any(os.listdir(serving / "tiny" / partial[0])):  # writing has begun
+            break
+        time.sleep(0.05)
+    assert process.poll() is None, "the export finished before it could be killed"
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert versions(serving / "tiny") == [1]
+    assert _tree_digest(serving / "tiny" / "1") == before
+    # The next export ignores and removes what the killed one left.
+    assert cli.main(["export", "--model", str(trained_run), "--format", "saved_model",
+                     "--out", str(serving), "--name", "tiny"]) == 0
+    assert versions(serving / "tiny") == [1, 2]
+    assert not [e for e in os.listdir(serving / "tiny") if e.startswith(".")]
+
+
+def test_existing_version_needs_overwrite(exported, trained_run, capsys):
+    serving = exported[0]
+    arguments = ["export", "--model", str(trained_run), "--format", "saved_model",
+                 "--out", str(serving), "--name", "tiny", "--version", "1"]
+    assert cli.main(arguments) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "already exists" in error[0] and "--overwrite" in error[0]
+
+
+def test_mixed_precision_model_exports_float32():
+    import keras
+
+    import keras_transformer as kt
+    from export.graphs import TranslationGraphs
+
+    mixed = kt.Transformer(kt.TransformerConfig.from_preset("tiny", vocab_size=300), dtype="mixed_bfloat16")
+    mixed.build()
+    tokenizer = kt.Tokenizer.train([f"sentence {i} with words" for i in range(200)], vocab_size=300)
+    graphs = TranslationGraphs(mixed, tokenizer)
+    assert graphs.model is not mixed
+    assert {layer.compute_dtype for layer in graphs.model._flatten_layers()} == {"float32"}
+    for a, b in zip(graphs.model.weights, mixed.weights):
+        np.testing.assert_array_equal(keras.ops.convert_to_numpy(a), keras.ops.convert_to_numpy(b))
+    source = np.array([[5, 6, 7, 3]], np.int32)
+    logits = graphs.forward(source, np.array([[2, 5, 6]], np.int32))["logits"]
+    assert logits.dtype == tf.float32
+    cache = graphs.encode(source)
+    assert all(t.dtype in (tf.float32, tf.bool) for t in cache.values())
+
+
+def test_layout_helpers(tmp_path):
+    with pytest.raises(UserError, match="not usable"):
+        check_model_name("../escape")
+    (tmp_path / "a" / "3").mkdir(parents=True)
+    (tmp_path / "a" / "not-a-version").mkdir()
+    (tmp_path / "empty").mkdir()
+    assert versions(tmp_path / "a") == [3]
+    with open(write_models_config(str(tmp_path)), encoding="utf-8") as handle:
+        config = handle.read()
+    assert 'name: "a"' in config and "empty" not in config
+    # An abandoned partial export (its process is gone) is removed; a live one is kept.
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / "a" / f".partial-4-{dead.pid}-abc").mkdir()
+    (tmp_path / "a" / f".partial-5-{os.getpid()}-abc").mkdir()
+    remove_abandoned(str(tmp_path / "a"))
+    assert sorted(os.listdir(tmp_path / "a")) == [f".partial-5-{os.getpid()}-abc", "3", "not-a-version"]
