@@ -5,10 +5,14 @@ through the same code as the `keras-transformer` commands it prints:
     keras-transformer evaluate  --model runs/demo --data synthetic --split test
     keras-transformer translate --model runs/demo < sentences
     keras-transformer attention --model runs/demo --text ... --out runs/demo/attention.png
+    keras-transformer export    --model runs/demo --format saved_model --out runs/demo/exports --overwrite
+    keras-transformer export    --model runs/demo --format onnx --out runs/demo/onnx --overwrite
 
-and fails (exit 1) unless the test-split BLEU reaches 90: the synthetic task
-is learnable, so a lower score is a bug. (Export and parity checks join when
-the deployment issue lands.)
+then translates 100 test sentences with Keras, the reloaded SavedModel and
+ONNX Runtime (full graph, encoder/decoder-step pair, text graph) and checks
+that they agree (`export.parity`). It fails (exit 1) unless the test-split
+BLEU reaches 90 (the synthetic task is learnable, so a lower score is a bug)
+and every runtime gives Keras's translations.
 
     python scripts/demo.py [--out runs/demo] [--epochs 10]
 """
@@ -26,6 +30,7 @@ from keras_transformer import cli  # noqa: E402
 from keras_transformer.data import load_corpus  # noqa: E402
 
 BLEU_FLOOR = 90.0
+PARITY_SENTENCES = 100
 
 
 def run(*arguments):
@@ -64,12 +69,41 @@ def main():
     run("attention", "--model", args.out, "--text", sources[0],
         "--out", os.path.join(args.out, "attention.png"))
 
+    run("export", "--model", args.out, "--format", "saved_model", "--out",
+        os.path.join(args.out, "exports"), "--name", "demo", "--version", "1", "--overwrite")
+    run("export", "--model", args.out, "--format", "onnx", "--out", os.path.join(args.out, "onnx"),
+        "--overwrite")
+    parity = _check_parity(args.out, sources[:PARITY_SENTENCES])
+
     print(f"\nDemo finished in {(time.perf_counter() - start) / 60:.1f} min. Artifacts in {args.out}/:")
     for name in sorted(os.listdir(args.out)):
         print(f"  {os.path.join(args.out, name)}")
     if bleu < BLEU_FLOOR:
         raise SystemExit(f"demo FAILED: test BLEU {bleu:.2f} < {BLEU_FLOOR}")
     print(f"Test BLEU {bleu:.2f} >= {BLEU_FLOOR}: OK")
+    disagreeing = {name: r for name, r in parity["runtimes"].items()
+                   if r["identical"] != parity["sentences"]}
+    if disagreeing or parity["max_logit_difference"] > 1e-4:
+        raise SystemExit(f"demo FAILED: exported models disagree with Keras: {disagreeing}, "
+                         f"max logit difference {parity['max_logit_difference']:.2e}")
+    print("SavedModel and ONNX Runtime give Keras's translations: OK")
+
+
+def _check_parity(run_dir, sentences):
+    from export.parity import check_parity
+    from keras_transformer.run_directory import RunDirectory, load_model
+
+    print(f"\n$ python -c 'export.parity.check_parity(...)'  ({len(sentences)} test sentences)")
+    report = check_parity(load_model(os.path.join(run_dir, "model.keras")),
+                          RunDirectory(run_dir).tokenizer(), sentences,
+                          saved_model_dir=os.path.join(run_dir, "exports", "demo", "1"),
+                          onnx_dir=os.path.join(run_dir, "onnx"))
+    for name, result in report["runtimes"].items():
+        print(f"  {name:<12} {result['identical']}/{report['sentences']} translations identical to Keras")
+    print(f"  forward.onnx logits: max |difference| to Keras {report['max_logit_difference']:.2e}")
+    with open(os.path.join(run_dir, "parity.json"), "w", encoding="utf-8") as file:
+        json.dump(report, file, indent=2, ensure_ascii=False)
+    return report
 
 
 if __name__ == "__main__":
