@@ -1,4 +1,5 @@
-"""`make demo` end to end: the synthetic pair is learnable to BLEU >= 90.
+"""`make demo` end to end: the synthetic pair is learnable to BLEU >= 90, and
+the exported SavedModel and ONNX graphs translate exactly like Keras.
 
 It trains for ~8 minutes on 2 cores, so it runs only when asked
 (`KERAS_TRANSFORMER_DEMO_TEST=1 make test`); `make demo` itself fails below
@@ -25,3 +26,6 @@ def test_demo_reaches_bleu_90_on_the_synthetic_test_split(tmp_path):
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     report = json.loads((out / "eval-synthetic-test.json").read_text())
     assert report["sentences"] == 500 and report["bleu"] >= 90
+    parity = json.loads((out / "parity.json").read_text())
+    assert all(r["identical"] == parity["sentences"] for r in parity["runtimes"].values()), parity
+    assert parity["max_logit_difference"] < 1e-4
