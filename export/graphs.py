@@ -20,6 +20,9 @@ Ids: 0 pad, 1 unk, 2 BOS, 3 EOS. Source ids end with EOS and are padded with
 longer than the model's `max_length` ids are truncated to it (EOS kept last).
 """
 
+import json
+import os
+
 import keras
 import tensorflow as tf
 
@@ -37,8 +40,7 @@ def float32_model(model):
     loses nothing; exported graphs then have float32 inputs, logits and
     caches on every runtime (ONNX Runtime's CPU provider has few half-precision kernels).
     """
-    if model.compute_dtype == "float32" and all(
-            layer.compute_dtype == "float32" for layer in model._flatten_layers()):
+    if all(layer.compute_dtype == "float32" for layer in model._flatten_layers()):  # self included
         return model
     config = model.get_config()
     config["dtype"] = "float32"
@@ -182,6 +184,13 @@ class TranslationGraphs:
         return outputs
 
     # ------------------------------------------------------------- helpers
+    def write_assets(self, directory, **extra):
+        """Writes `tokenizer.model` and `export.json` (`metadata()` plus `extra`) into `directory`."""
+        os.makedirs(directory, exist_ok=True)
+        self.tokenizer.save(os.path.join(directory, "tokenizer.model"))
+        with open(os.path.join(directory, "export.json"), "w", encoding="utf-8") as handle:
+            json.dump({**self.metadata(), **extra}, handle, indent=2, sort_keys=True)
+
     def metadata(self):
         """What an export was made from: versions, model config and decoding settings."""
         import keras_transformer

@@ -48,6 +48,15 @@ def next_version(model_dir):
     return existing[-1] + 1 if existing else 1
 
 
+def check_free(path, overwrite=False):
+    """The absolute `path`; a `UserError` if it exists and not `overwrite`."""
+    path = os.path.abspath(path)
+    if os.path.exists(path) and not overwrite:
+        raise UserError(f"{path} already exists. Choose another --out/--version, or pass "
+                        f"--overwrite to replace it.")
+    return path
+
+
 @contextlib.contextmanager
 def atomic_directory(path, overwrite=False):
     """Yields a temporary directory to fill; it becomes `path` when the block succeeds.
@@ -56,10 +65,7 @@ def atomic_directory(path, overwrite=False):
     On an exception (or a kill) the temporary directory is removed (or left
     hidden) and `path` is untouched.
     """
-    path = os.path.abspath(path)
-    if os.path.exists(path) and not overwrite:
-        raise UserError(f"{path} already exists. Choose another --out/--version, or pass "
-                        f"--overwrite to replace it.")
+    path = check_free(path, overwrite)
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
     remove_abandoned(parent)

@@ -29,7 +29,6 @@ SavedModel it does not repair invalid UTF-8 (ONNX Runtime's string tensors
 come from `str` in Python, which is always valid).
 """
 
-import json
 import os
 
 import numpy as np
@@ -59,7 +58,7 @@ def export_onnx(graphs, out_dir, overwrite=False, log=None):
     """
     if not isinstance(graphs, TranslationGraphs):
         raise TypeError(f"graphs must be a TranslationGraphs; got {graphs!r}.")
-    metadata = {**graphs.metadata(), "opset": OPSET, "graphs": {}}
+    described = {}
     with atomic_directory(out_dir, overwrite=overwrite) as temporary:
         models = {}
         for stem in [*GRAPHS, TEXT_GRAPH]:
@@ -70,13 +69,10 @@ def export_onnx(graphs, out_dir, overwrite=False, log=None):
             onnx.checker.check_model(models[stem], full_check=True)
             path = os.path.join(temporary, f"{stem}.onnx")
             onnx.save(models[stem], path)
-            metadata["graphs"][stem] = describe(models[stem])
+            described[stem] = describe(models[stem])
             if log is not None:
                 log(f"wrote {stem}.onnx ({os.path.getsize(path) / 1e6:.1f} MB)")
-        with open(os.path.join(temporary, "tokenizer.model"), "wb") as handle:
-            handle.write(graphs.tokenizer.model_proto)
-        with open(os.path.join(temporary, "export.json"), "w", encoding="utf-8") as handle:
-            json.dump(metadata, handle, indent=2, sort_keys=True)
+        graphs.write_assets(temporary, opset=OPSET, graphs=described)
     return os.path.abspath(out_dir)
 
 

@@ -32,6 +32,12 @@ NEG_INF = np.float32(-1.0e9)  # as keras_transformer.decoding
 UNK_ID = 1  # kept by detokenization (keras_transformer.tokenizer)
 
 
+def read_metadata(export_dir):
+    """The export's `export.json`: versions, model config, decoding settings, graphs."""
+    with open(os.path.join(export_dir, "export.json"), encoding="utf-8") as handle:
+        return json.load(handle)
+
+
 def make_session(path, threads=None):
     """An `onnxruntime.InferenceSession` for `path`, with onnxruntime-extensions when it needs them.
 
@@ -62,9 +68,8 @@ class SplitBeamSearch:
         threads: ONNX Runtime intra-op threads (default: all cores).
     """
 
-    def __init__(self, export_dir, threads=None):
-        with open(os.path.join(export_dir, "export.json"), encoding="utf-8") as handle:
-            metadata = json.load(handle)
+    def __init__(self, export_dir, threads=None, metadata=None):
+        metadata = metadata or read_metadata(export_dir)
         self.config = metadata["model"]
         decoding = metadata["decoding"]
         self.beam_size, self.alpha = decoding["beam_size"], np.float32(decoding["length_penalty"])
@@ -209,13 +214,15 @@ class OnnxTranslator:
 
         if mode not in self.MODES:
             raise ValueError(f"mode must be one of {self.MODES}; got {mode!r}.")
-        with open(os.path.join(export_dir, "export.json"), encoding="utf-8") as handle:
-            self.config = json.load(handle)["model"]
+        metadata = read_metadata(export_dir)
+        self.config = metadata["model"]
         self.processor = sentencepiece.SentencePieceProcessor(
             model_file=os.path.join(export_dir, "tokenizer.model"))
         self.mode = mode
-        search = {"full": FullGraphSearch, "split": SplitBeamSearch, "text": TextGraph}[mode]
-        self.search = search(export_dir, threads)
+        if mode == "split":
+            self.search = SplitBeamSearch(export_dir, threads, metadata)
+        else:
+            self.search = {"full": FullGraphSearch, "text": TextGraph}[mode](export_dir, threads)
         self.batch_size = batch_size
 
     def encode(self, sentences):

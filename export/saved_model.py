@@ -24,7 +24,6 @@ whitespace-only string translates like an empty sentence. Every input gives
 exactly one output.
 """
 
-import json
 import os
 
 import keras
@@ -59,12 +58,7 @@ def export_saved_model(graphs, out_dir, name, version=None, overwrite=False):
         for signature, function in SIGNATURES:
             archive.add_endpoint(signature, graphs.function(function))
         archive.write_out(temporary, verbose=False)
-        extra = os.path.join(temporary, "assets.extra")  # TF Serving ignores this directory
-        os.makedirs(extra, exist_ok=True)
-        with open(os.path.join(extra, "tokenizer.model"), "wb") as handle:
-            handle.write(graphs.tokenizer.model_proto)
-        with open(os.path.join(extra, "export.json"), "w", encoding="utf-8") as handle:
-            json.dump(graphs.metadata(), handle, indent=2, sort_keys=True)
+        graphs.write_assets(os.path.join(temporary, "assets.extra"))  # TF Serving ignores it
     write_models_config(out_dir)
     return path
 

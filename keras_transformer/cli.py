@@ -144,11 +144,16 @@ def _evaluate(args):
 def _export(args):
     # The exporters live in the top-level `export` package (the library never imports it).
     from export.graphs import TranslationGraphs
-    from export.layout import check_model_name
+    from export.layout import check_free, check_model_name
     from keras_transformer.run_directory import load_model, resolve_model
 
     run, model_path = resolve_model(args.model)
     name = check_model_name(args.name or os.path.basename(os.path.abspath(run.path)))
+    # Refuse an occupied destination before the slow part (loading and tracing).
+    if args.format == "onnx":
+        check_free(args.out, args.overwrite)
+    elif args.version is not None:
+        check_free(os.path.join(args.out, name, str(args.version)), args.overwrite)
     graphs = TranslationGraphs(load_model(model_path), run.tokenizer(), beam_size=args.beam_size,
                                length_penalty=args.length_penalty,
                                max_extra_length=args.max_extra_length)
