@@ -8,6 +8,7 @@ from keras_transformer.config import PRESETS, TransformerConfig
 from keras_transformer.data import Corpus, CorpusError, load_corpus, make_dataset
 from keras_transformer.decoder import Decoder, DecoderLayer
 from keras_transformer.decoding import Translations, beam_search, greedy_search
+from keras_transformer.dropout import Dropout
 from keras_transformer.embedding import TokenEmbedding
 from keras_transformer.evaluation import Scores, score_translations
 from keras_transformer.encoder import Encoder, EncoderLayer
@@ -24,7 +25,7 @@ from keras_transformer.transformer import Transformer
 
 __all__ = [
     "ATTENTION_MODES", "PRESETS", "Corpus", "CorpusError", "Scores", "Tokenizer", "load_corpus",
-    "make_dataset", "score_translations", "Translations", "beam_search", "greedy_search", "Decoder", "DecoderLayer", "Encoder", "EncoderLayer",
+    "make_dataset", "score_translations", "Translations", "beam_search", "greedy_search", "Decoder", "DecoderLayer", "Dropout", "Encoder", "EncoderLayer",
     "LabelSmoothedCrossEntropy", "MaskedTokenAccuracy", "MultiHeadAttention", "NoamSchedule",
     "PositionwiseFeedForward", "SinusoidalPositionalEncoding", "TokenEmbedding", "Transformer",
     "TransformerConfig", "causal_mask", "combine_masks", "compile_transformer", "make_optimizer",

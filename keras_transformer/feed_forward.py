@@ -7,6 +7,7 @@ Shape legend: (batch, length, d_model) -> (batch, length, d_ff) -> (batch, lengt
 
 import keras
 
+from keras_transformer.dropout import Dropout
 from keras_transformer.validation import check_positive_int, check_rate, register
 
 
@@ -46,7 +47,7 @@ class PositionwiseFeedForward(keras.layers.Layer):
         self.inner_dense = keras.layers.Dense(
             d_ff, activation=activation, dtype=self.dtype_policy, name="inner_dense"
         )
-        self.inner_dropout = keras.layers.Dropout(
+        self.inner_dropout = Dropout(
             dropout_rate, dtype=self.dtype_policy, name="inner_dropout"
         )
         self.output_dense = keras.layers.Dense(d_model, dtype=self.dtype_policy, name="output_dense")

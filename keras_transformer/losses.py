@@ -24,6 +24,52 @@ def _sum_over_replicas(value):
     return context.all_reduce(tf.distribute.ReduceOp.SUM, value)
 
 
+def _label_logit(labels, logits):
+    """`logits[..., labels]`: `(batch, len_tgt)` from labels `(batch, len_tgt)` and logits `(batch, len_tgt, vocab)`."""
+    labels = ops.expand_dims(ops.cast(labels, "int32"), axis=-1)
+    return ops.squeeze(ops.take_along_axis(logits, labels, axis=-1), axis=-1)
+
+
+def smoothed_cross_entropy(labels, logits, label_smoothing):
+    """Per-token `(1 - ε) (-log p(y)) + ε mean_k(-log p(k))`, `(batch, len_tgt)` float32.
+
+    Computed as `logsumexp(z) - (1 - ε) z_y - ε mean_k(z_k)` (the same value:
+    `-log p(k) = logsumexp(z) - z_k`) with the gradient written out,
+    `softmax(z) - q` for the smoothed target `q = (1 - ε) onehot(y) + ε / V`.
+    Left to autodiff, the gather of `z_y` back-propagates as a scatter into a
+    dense `(batch, len_tgt, vocab)` tensor and `log_softmax` keeps one more such
+    tensor: measured on a `(256, 16, 8000)` batch (2-core CPU), forward plus
+    backward took 474 ms (219 ms with XLA) that way and 288 ms (110 ms) this way.
+
+    Args:
+        labels: int `(batch, len_tgt)`, each in [0, vocab).
+        logits: `(batch, len_tgt, vocab)`, any float dtype (computed in float32).
+        label_smoothing: ε in [0, 1).
+    """
+    logits = ops.cast(logits, "float32")
+    labels = ops.cast(labels, "int32")
+
+    @ops.custom_gradient
+    def loss_from_logits(logits):
+        log_normalizer = ops.logsumexp(logits, axis=-1)  # (batch, len_tgt)
+        losses = log_normalizer - (1.0 - label_smoothing) * _label_logit(labels, logits)
+        if label_smoothing:
+            losses = losses - label_smoothing * ops.mean(logits, axis=-1)
+
+        def gradient(*args, upstream=None):
+            upstream = args[0] if upstream is None else upstream  # (batch, len_tgt)
+            vocab = ops.shape(logits)[-1]
+            probs = ops.exp(logits - ops.expand_dims(log_normalizer, axis=-1))
+            target = ops.one_hot(labels, vocab) * (1.0 - label_smoothing)
+            if label_smoothing:
+                target = target + label_smoothing / ops.cast(vocab, "float32")
+            return (probs - target) * ops.expand_dims(upstream, axis=-1)
+
+        return losses, gradient
+
+    return loss_from_logits(logits)
+
+
 @register
 class LabelSmoothedCrossEntropy(keras.losses.Loss):
     """Cross-entropy against smoothed targets, ignoring padding labels.
@@ -63,13 +109,7 @@ class LabelSmoothedCrossEntropy(keras.losses.Loss):
 
     def call(self, y_true, y_pred):
         """Per-token smoothed cross-entropy `(batch, len_tgt)`, padding included."""
-        log_probs = ops.log_softmax(ops.cast(y_pred, "float32"), axis=-1)
-        labels = ops.expand_dims(ops.cast(y_true, "int32"), axis=-1)
-        nll = -ops.squeeze(ops.take_along_axis(log_probs, labels, axis=-1), axis=-1)
-        if not self.label_smoothing:
-            return nll
-        uniform = -ops.mean(log_probs, axis=-1)
-        return (1.0 - self.label_smoothing) * nll + self.label_smoothing * uniform
+        return smoothed_cross_entropy(y_true, y_pred, self.label_smoothing)
 
     def __call__(self, y_true, y_pred, sample_weight=None):
         with keras.name_scope(self.name):
@@ -102,6 +142,9 @@ class LabelSmoothedCrossEntropy(keras.losses.Loss):
 class MaskedTokenAccuracy(keras.metrics.Metric):
     """Fraction of non-padding target tokens whose argmax prediction is right.
 
+    A token counts as right when the label's logit is the largest (an exact
+    tie with another token also counts).
+
     Call (`update_state`) arguments:
         y_true: labels `(batch, len_tgt)`.
         y_pred: logits `(batch, len_tgt, vocab)`.
@@ -124,7 +167,11 @@ class MaskedTokenAccuracy(keras.metrics.Metric):
             while len(sample_weight.shape) < len(weights.shape):
                 sample_weight = ops.expand_dims(sample_weight, axis=-1)
             weights = weights * sample_weight
-        hits = ops.cast(ops.equal(ops.cast(ops.argmax(y_pred, axis=-1), "int32"), y_true), "float32")
+        # "The label's logit is the largest" instead of Keras's TensorFlow argmax,
+        # which first rewrites -0.0 over the whole (batch, len_tgt, vocab) tensor
+        # (~7% of the op time of a base-width CPU step). Differs only on exact ties.
+        y_pred = ops.cast(y_pred, "float32")
+        hits = ops.cast(_label_logit(y_true, y_pred) >= ops.max(y_pred, axis=-1), "float32")
         self.correct.assign_add(ops.sum(hits * weights))
         self.count.assign_add(ops.sum(weights))
 

@@ -20,6 +20,7 @@ import keras
 from keras import ops
 
 from keras_transformer.attention import scaled_dot_product_attention
+from keras_transformer.dropout import Dropout
 from keras_transformer.portable_ops import write_at
 from keras_transformer.validation import check_choice, check_positive_int, check_rate, register
 
@@ -96,7 +97,7 @@ class MultiHeadAttention(keras.layers.Layer):
         self.use_bias = use_bias
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.bias_initializer = keras.initializers.get(bias_initializer)
-        self.attention_dropout = keras.layers.Dropout(
+        self.attention_dropout = Dropout(
             dropout_rate, dtype=self.dtype_policy, name="attention_dropout"
         )
 

@@ -6,6 +6,7 @@ Pre-norm (option):      x + Dropout(Sublayer(LayerNorm(x)))
 
 import keras
 
+from keras_transformer.dropout import Dropout
 from keras_transformer.validation import check_rate
 
 
@@ -31,6 +32,6 @@ def make_norm_and_dropout(layer, prefix, dropout_rate, epsilon):
     norm = keras.layers.LayerNormalization(
         epsilon=epsilon, dtype=layer.dtype_policy, name=f"{prefix}_norm"
     )
-    dropout = keras.layers.Dropout(dropout_rate, dtype=layer.dtype_policy, name=f"{prefix}_dropout")
+    dropout = Dropout(dropout_rate, dtype=layer.dtype_policy, name=f"{prefix}_dropout")
     setattr(layer, f"{prefix}_norm", norm)
     setattr(layer, f"{prefix}_dropout", dropout)

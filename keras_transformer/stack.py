@@ -7,6 +7,7 @@ Shape legend: (batch, length, d_model) in, the same out.
 
 import keras
 
+from keras_transformer.dropout import Dropout
 from keras_transformer.positional_encoding import SinusoidalPositionalEncoding
 from keras_transformer.validation import check_positive_int, check_rate
 
@@ -50,7 +51,7 @@ class TransformerStack(LayerArguments, keras.layers.Layer):
         self.positional_encoding = SinusoidalPositionalEncoding(
             max_length, dtype=self.dtype_policy, name="positional_encoding"
         )
-        self.embedding_dropout = keras.layers.Dropout(
+        self.embedding_dropout = Dropout(
             self.dropout_rate, dtype=self.dtype_policy, name="embedding_dropout"
         )
         self.stack_layers = [

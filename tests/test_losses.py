@@ -30,6 +30,38 @@ def test_loss_is_cross_entropy_against_smoothed_targets_over_real_tokens(epsilon
     np.testing.assert_allclose(float(loss), _reference_loss(labels, logits, epsilon), rtol=1e-5)
 
 
+def _reference_gradient(labels, logits, epsilon, pad_id=0):
+    """d mean-loss / d logits = (softmax - smoothed target) / real tokens, zero at padding."""
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    vocab = logits.shape[-1]
+    target = np.full(logits.shape, epsilon / vocab)
+    np.put_along_axis(target, labels[..., None], 1 - epsilon + epsilon / vocab, axis=-1)
+    real = (labels != pad_id)[..., None]
+    return (probs - target) * real / real.sum()
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+@pytest.mark.parametrize("epsilon", [0.0, 0.1])
+def test_loss_gradient_is_softmax_minus_smoothed_target(epsilon, jit_compile):
+    import tensorflow as tf
+
+    labels, logits = _labels_and_logits()
+    loss = kt.LabelSmoothedCrossEntropy(label_smoothing=epsilon)
+
+    @tf.function(jit_compile=jit_compile)
+    def value_and_gradient(logits):
+        with tf.GradientTape() as tape:
+            tape.watch(logits)
+            value = loss(labels, logits)
+        return value, tape.gradient(value, logits)
+
+    value, gradient = value_and_gradient(tf.constant(logits))
+    np.testing.assert_allclose(float(value), _reference_loss(labels, logits, epsilon), rtol=1e-5)
+    np.testing.assert_allclose(gradient.numpy(), _reference_gradient(labels, logits, epsilon),
+                               atol=1e-7)
+
+
 def test_padding_logits_do_not_matter():
     labels, logits = _labels_and_logits()
     changed = logits.copy()
@@ -66,6 +98,17 @@ def test_token_accuracy_ignores_padding_and_accumulates():
     assert float(metric.result()) == pytest.approx(0.5)
     metric.update_state(np.array([[7, 0, 0, 0]]), np.eye(8, dtype="float32")[[7, 1, 1, 1]][None])
     assert float(metric.result()) == pytest.approx(2 / 3)
+
+
+def test_token_accuracy_equals_argmax_accuracy():
+    labels, logits = _labels_and_logits(seed=3)
+    logits[labels == 3, 3] += 10.0  # some right, most wrong
+    metric = kt.MaskedTokenAccuracy()
+    metric.update_state(labels, logits)
+    real = labels != 0
+    expected = (logits.argmax(-1) == labels)[real].mean()
+    assert 0 < expected < 1
+    assert float(metric.result()) == pytest.approx(expected)
 
 
 def test_noam_schedule_follows_section_5_3():
