@@ -31,8 +31,9 @@ The batches: the first `--batches` batches of epoch 0 (4096 tokens each) that
 have the epoch's most frequent shape, so XLA compiles one program per variant.
 For each model size, every variant (implementation x XLA) is built and trains
 one untimed pass over them (tracing, compilation); then the variants take
-turns for `--repeats` timed passes each with `model.fit`, and each variant's
-step time is the median of its passes (all passes are in the JSON).
+turns for `--repeats` timed passes each with `model.fit`, timing each step
+from `on_train_batch_begin` to `on_train_batch_end`; a variant's step time is
+the median over its passes of the mean step (all passes are in the JSON).
 
     python scripts/bench_train.py [--batches 4] [--repeats 3] [--json bench_results/train.json]
 """
@@ -135,21 +136,39 @@ def build(implementation, config, jit_compile):
     return model
 
 
+class StepTimer(keras.callbacks.Callback):
+    """Wall time of each training step (from `on_train_batch_begin` to `_end`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.steps = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.start = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.steps.append(time.perf_counter() - self.start)
+
+
 def time_passes(models, dataset, repeats):
-    """Seconds per pass over `dataset` for each model, `repeats` passes each.
+    """Seconds of training steps per pass over `dataset` for each model, `repeats` passes each.
 
     Every model first trains one untimed pass (tracing, XLA compilation); the
     timed passes then take turns (model 1, model 2, ..., model 1, ...), so a
-    busy spell on a shared machine slows all of them rather than one.
+    busy spell on a shared machine slows all of them rather than one. Only the
+    steps are timed, not `fit`'s start and end of epoch: on this machine the
+    end of a `fit` epoch sometimes waited until the next power-of-two multiple
+    of 10 ms since the epoch began (10.24 s, 20.48 s, ...), which would hide
+    the steps' speed.
     """
     for model in models.values():
         model.fit(dataset, epochs=1, verbose=0, shuffle=False)
     passes = {key: [] for key in models}
     for _ in range(repeats):
         for key, model in models.items():
-            start = time.perf_counter()
-            model.fit(dataset, epochs=1, verbose=0, shuffle=False)
-            passes[key].append(time.perf_counter() - start)
+            timer = StepTimer()
+            model.fit(dataset, epochs=1, verbose=0, shuffle=False, callbacks=[timer])
+            passes[key].append(sum(timer.steps))
     return passes
 
 

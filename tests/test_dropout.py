@@ -59,3 +59,15 @@ def test_xla_context_is_detected():
                 jit_compile=True, autograph=False)()
     tf.function(lambda: seen.append(_in_xla_computation()) or tf.constant(0), autograph=False)()
     assert seen == [True, False] and not _in_xla_computation()
+
+
+@pytest.mark.parametrize("jit_compile, algorithm", [(True, tf.random.Algorithm.THREEFRY),
+                                                     (False, tf.random.Algorithm.PHILOX)])
+def test_dropout_picks_the_generator_by_compilation(jit_compile, algorithm):
+    layer = kt.Dropout(0.1, seed=0)
+    function = tf.function(lambda x: layer(x, training=True), jit_compile=jit_compile,
+                           autograph=False)
+    graph = function.get_concrete_function(tf.TensorSpec((2, 3))).graph
+    generators = [op for op in graph.get_operations() if op.type == "StatelessRandomUniformV2"]
+    assert len(generators) == 1
+    assert tf.get_static_value(generators[0].inputs[3]) == algorithm.value
