@@ -181,7 +181,7 @@ def train(options, callbacks=(), log=print):
         f"{max_length} tokens dropped; {batches.info.batches} batches per epoch; "
         f"{len(val_pairs[0]):,} validation pairs.")
     if options.mixed_precision:
-        keras.config.set_dtype_policy(_mixed_precision_policy())
+        keras.config.set_dtype_policy(mixed_precision_policy())
     with strategy.scope():
         model = Transformer(config)
         model.build()
@@ -294,7 +294,8 @@ def _model_config(options, vocab_size):
         raise UserError(f"Invalid model settings (--preset {options.preset}, --set): {error}") from None
 
 
-def _mixed_precision_policy():
+def mixed_precision_policy():
+    """`"mixed_float16"` where TensorFlow sees a GPU, else `"mixed_bfloat16"` (CPU)."""
     return "mixed_float16" if tf.config.list_logical_devices("GPU") else "mixed_bfloat16"
 
 

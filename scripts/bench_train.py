@@ -35,7 +35,11 @@ turns for `--repeats` timed passes each with `model.fit`, timing each step
 from `on_train_batch_begin` to `on_train_batch_end`; a variant's step time is
 the median over its passes of the mean step (all passes are in the JSON).
 
-    python scripts/bench_train.py [--batches 4] [--repeats 3] [--json bench_results/train.json]
+    python scripts/bench_train.py [--batches 4] [--repeats 3] [--mixed-precision]
+                                  [--json bench_results/train.json]
+
+With `--mixed-precision` the models compute in bfloat16 (CPU) or float16 (GPU)
+with float32 weights; MFU stays relative to the float32 matmul rate.
 """
 
 import argparse
@@ -53,6 +57,7 @@ import tensorflow as tf  # noqa: E402
 
 import keras_transformer as kt  # noqa: E402
 from keras_transformer.batching import TokenizedPairs  # noqa: E402
+from keras_transformer.trainer import mixed_precision_policy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = {
@@ -194,9 +199,12 @@ def main():
     parser.add_argument("--data-dir", default=str(ROOT.parent / "shared" / "data" / "multi30k"))
     parser.add_argument("--models", default="small,base-2")
     parser.add_argument("--implementations", default="ours batched,ours per-head,keras-hub")
+    parser.add_argument("--mixed-precision", action="store_true",
+                        help="mixed_float16 on a GPU, mixed_bfloat16 on CPU (as `train --mixed-precision`)")
     parser.add_argument("--json", default=str(ROOT / "bench_results" / "train.json"))
     args = parser.parse_args()
 
+    policy = mixed_precision_policy() if args.mixed_precision else "float32"
     limit_start = matmul_limit()
     print(f"Matmul limit (float32, 2048x2048): {limit_start / 1e9:.1f} GFLOP/s", flush=True)
     vocab_size, batches = load_batches(args.batches, args.batch_tokens, args.data_dir)
@@ -214,6 +222,7 @@ def main():
         config = kt.TransformerConfig.from_preset(settings.pop("preset"), vocab_size=vocab_size,
                                                   **settings)
         flops = sum(batch_flops(inputs["source_ids"], labels, config) for inputs, labels in batches)
+        keras.config.set_dtype_policy(policy)  # again after each clear_session()
         models = {}
         for jit_compile in (False, True):
             for implementation in args.implementations.split(","):
@@ -224,6 +233,7 @@ def main():
             step = float(np.median(seconds)) / len(batches)
             row = dict(model=model_name, implementation=implementation, xla=jit_compile,
                        parameters=models[implementation, jit_compile].count_params(),
+                       compute_dtype=models[implementation, jit_compile].compute_dtype,
                        step_ms=step * 1e3, step_ms_passes=[s / len(batches) * 1e3 for s in seconds],
                        target_tokens_per_s=target_tokens / len(batches) / step,
                        flops_per_target_token=flops / target_tokens,
@@ -236,10 +246,10 @@ def main():
         keras.backend.clear_session()
     limit_end = matmul_limit()
     print(f"Matmul limit at the end: {limit_end / 1e9:.1f} GFLOP/s\n")
-    report(rows, limit_start, limit_end, target_tokens, len(batches), args)
+    report(rows, limit_start, limit_end, target_tokens, len(batches), policy, args)
 
 
-def report(rows, limit_start, limit_end, target_tokens, batches, args):
+def report(rows, limit_start, limit_end, target_tokens, batches, policy, args):
     header = ("| model | implementation | XLA | step (ms) | target tokens/s | vs keras-hub | "
               "GFLOP/token | GFLOP/s | MFU |")
     print(header)
@@ -257,7 +267,8 @@ def report(rows, limit_start, limit_end, target_tokens, batches, args):
               f"{row['mfu']:.0%} |")
     result = dict(rows=rows, matmul_gflops_start=limit_start / 1e9, matmul_gflops_end=limit_end / 1e9,
                   batches=batches, target_tokens=target_tokens, batch_tokens=args.batch_tokens,
-                  repeats=args.repeats, machine=platform.processor() or platform.machine(),
+                  repeats=args.repeats, dtype_policy=policy,
+                  machine=platform.processor() or platform.machine(),
                   cpus=os.cpu_count(), tensorflow=tf.__version__, keras=keras.__version__)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
