@@ -26,8 +26,8 @@ def _sum_over_replicas(value):
 
 def _label_logit(labels, logits):
     """`logits[..., labels]`: `(batch, len_tgt)` from labels `(batch, len_tgt)` and logits `(batch, len_tgt, vocab)`."""
-    labels = ops.expand_dims(ops.cast(labels, "int32"), axis=-1)
-    return ops.squeeze(ops.take_along_axis(logits, labels, axis=-1), axis=-1)
+    return ops.squeeze(ops.take_along_axis(logits, ops.expand_dims(labels, axis=-1), axis=-1),
+                       axis=-1)
 
 
 def smoothed_cross_entropy(labels, logits, label_smoothing):
@@ -47,7 +47,7 @@ def smoothed_cross_entropy(labels, logits, label_smoothing):
         label_smoothing: ε in [0, 1).
     """
     logits = ops.cast(logits, "float32")
-    labels = ops.cast(labels, "int32")
+    labels = ops.cast(labels, "int32")  # once here, for the gather and the one-hot
 
     @ops.custom_gradient
     def loss_from_logits(logits):
