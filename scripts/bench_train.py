@@ -34,8 +34,11 @@ one untimed pass over them (tracing, compilation); then the variants take
 turns for `--repeats` timed passes each with `model.fit`, timing each step
 from `on_train_batch_begin` to `on_train_batch_end`; a variant's step time is
 the median over its passes of the mean step (all passes are in the JSON).
+"vs keras-hub" is the ratio of the median step times; "rounds" is the range of
+the ratios of passes timed in the same round (each round times every variant
+once, in turn), which shows how much the machine's noise moves the ratio.
 
-    python scripts/bench_train.py [--batches 4] [--repeats 3] [--mixed-precision]
+    python scripts/bench_train.py [--batches 4] [--repeats 5] [--mixed-precision]
                                   [--json bench_results/train.json]
 
 With `--mixed-precision` the models compute in bfloat16 (CPU) or float16 (GPU)
@@ -194,7 +197,7 @@ def load_batches(count, batch_tokens, data_dir):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batch-tokens", type=int, default=4096)
     parser.add_argument("--data-dir", default=str(ROOT.parent / "shared" / "data" / "multi30k"))
     parser.add_argument("--models", default="small,base-2")
@@ -251,9 +254,9 @@ def main():
 
 def report(rows, limit_start, limit_end, target_tokens, batches, policy, args):
     header = ("| model | implementation | XLA | step (ms) | target tokens/s | vs keras-hub | "
-              "GFLOP/token | GFLOP/s | MFU |")
+              "rounds | GFLOP/token | GFLOP/s | MFU |")
     print(header)
-    print("|---" * 9 + "|")
+    print("|---" * 10 + "|")
     limit = max(limit_start, limit_end)  # the higher measurement: the conservative MFU
     for row in rows:
         row["mfu"] = row["gflops_per_s"] * 1e9 / limit
@@ -261,8 +264,13 @@ def report(rows, limit_start, limit_end, target_tokens, batches, policy, args):
                == (row["model"], row["xla"], "keras-hub")]
         ratio = row["target_tokens_per_s"] / hub[0]["target_tokens_per_s"] if hub else float("nan")
         row["vs_keras_hub"] = ratio
+        # Same-round ratios: hub's pass i over ours' pass i (they ran back to back).
+        row["vs_keras_hub_rounds"] = ([h / o for h, o in zip(hub[0]["step_ms_passes"],
+                                                             row["step_ms_passes"])] if hub else [])
+        rounds = (f"{min(row['vs_keras_hub_rounds']):.2f}-{max(row['vs_keras_hub_rounds']):.2f}"
+                  if row["vs_keras_hub_rounds"] else "")
         print(f"| {row['model']} | {row['implementation']} | {'yes' if row['xla'] else 'no'} | "
-              f"{row['step_ms']:.0f} | {row['target_tokens_per_s']:.0f} | {ratio:.2f}x | "
+              f"{row['step_ms']:.0f} | {row['target_tokens_per_s']:.0f} | {ratio:.2f}x | {rounds} | "
               f"{row['flops_per_target_token'] / 1e9:.3f} | {row['gflops_per_s']:.1f} | "
               f"{row['mfu']:.0%} |")
     result = dict(rows=rows, matmul_gflops_start=limit_start / 1e9, matmul_gflops_end=limit_end / 1e9,
