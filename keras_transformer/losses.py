@@ -25,7 +25,7 @@ def _sum_over_replicas(value):
 
 
 def _label_logit(labels, logits):
-    """`logits[..., labels]`: `(batch, len_tgt)` from labels `(batch, len_tgt)` and logits `(batch, len_tgt, vocab)`."""
+    """`logits[..., labels]`: `(batch, len_tgt)` from int32 labels `(batch, len_tgt)` and logits `(batch, len_tgt, vocab)`."""
     return ops.squeeze(ops.take_along_axis(logits, ops.expand_dims(labels, axis=-1), axis=-1),
                        axis=-1)
 
