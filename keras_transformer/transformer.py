@@ -64,6 +64,8 @@ class Transformer(keras.Model):
             config = dataclasses.replace(config, **overrides)
         super().__init__(**kwargs)
         self.config = config
+        # A training choice, not part of the saved config: see `train_step`.
+        self.fused_output_loss = True
         if config.share_embeddings:
             self.token_embedding = self._make_embedding(config.vocab_size, "token_embedding")
         else:
@@ -131,14 +133,17 @@ class Transformer(keras.Model):
 
     def _decode(self, target_ids, memory, source_mask, training):
         """`decode` with the source padding mask `(batch, 1, len_src)` already built."""
-        hidden = self.decoder(
+        return self.project(self._decoder_output(target_ids, memory, source_mask, training))
+
+    def _decoder_output(self, target_ids, memory, source_mask, training):
+        """The last decoder layer's output `(batch, len_tgt, d_model)`, before `project`."""
+        return self.decoder(
             self.target_embedding(target_ids),
             memory,
             target_mask=padding_mask(target_ids, self.config.pad_id),
             memory_mask=source_mask,
             training=training,
         )
-        return self.project(hidden)
 
     def init_cache(self, memory, max_length):
         """The incremental-decoding cache for `memory` `(batch, len_src, d_model)`.
@@ -195,6 +200,13 @@ class Transformer(keras.Model):
             return self.output_projection(hidden)
         return self.target_embedding.project(hidden)
 
+    def _projection_weights(self):
+        """`(kernel (vocab, d_model), bias (vocab,) or None)` with `project(h) = h @ kernel^T + bias`."""
+        if self.output_projection is None:
+            return self.target_embedding.embeddings, None
+        dense = self.output_projection
+        return keras.ops.transpose(dense.kernel), dense.bias
+
     def attention_weights(self, inputs):
         """All attention weights of an inference pass, for inspection and plots.
 
@@ -228,7 +240,73 @@ class Transformer(keras.Model):
         self.train_function = self.test_function = self.predict_function = None
 
     def train_step(self, data):
-        return self._logs_for_multi_worker(super().train_step(data))
+        """One `fit` step. Compiled with `LabelSmoothedCrossEntropy` (and at most
+        `MaskedTokenAccuracy` as metrics), the loss is computed from the decoder
+        output with the projection fused in (`projected_smoothed_cross_entropy`):
+        no `(batch, len_tgt, vocab)` logits and no projection of padding, the
+        same loss, gradients and metrics as the logits path (which every other
+        compile set-up takes; `fused_output_loss = False` forces it).
+        """
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        loss_function = self._fused_loss_function(y, sample_weight)
+        if loss_function is None:
+            return self._logs_for_multi_worker(super().train_step(data))
+        import tensorflow as tf
+
+        source_ids, target_ids = _unpack_inputs(x)
+        with tf.GradientTape() as tape:
+            source_mask = padding_mask(source_ids, self.config.pad_id)
+            memory = self._encode(source_ids, source_mask, training=True)
+            hidden = self._decoder_output(target_ids, memory, source_mask, training=True)
+            kernel, bias = self._projection_weights()
+            loss, correct, count = loss_function.from_decoder_output(y, hidden, kernel, bias)
+            loss = self._add_model_losses(loss)
+            # As Keras' own step: the tracker shows the global mean under a strategy.
+            replicas = tf.distribute.get_strategy().num_replicas_in_sync
+            self._loss_tracker.update_state(loss * replicas, sample_weight=tf.shape(source_ids)[0])
+            loss = self.optimizer.scale_loss(loss)
+        gradients = tape.gradient(loss, self.trainable_weights)
+        self.optimizer.apply_gradients(zip(gradients, self.trainable_weights))
+        for metric in self._compile_metrics.metrics if self._compile_metrics is not None else ():
+            metric.update_counts(correct, count)
+        return self._logs_for_multi_worker(self.get_metrics_result())
+
+    def _fused_loss_function(self, labels, sample_weight):
+        """The compiled `LabelSmoothedCrossEntropy` when `train_step` can fuse it, else None.
+
+        It can when it is the only loss (no loss weights), reduces to a mean or
+        sum, every compiled metric is a `MaskedTokenAccuracy` with its `pad_id`
+        (the fused pass counts their correct tokens) and no sample weights
+        are given (Keras gives unweighted metrics none, the fused count has them).
+        """
+        from keras_transformer.losses import LabelSmoothedCrossEntropy, MaskedTokenAccuracy
+
+        loss = getattr(self, "loss", None)
+        compile_loss = getattr(self, "_compile_loss", None)
+        compile_metrics = getattr(self, "_compile_metrics", None)
+        if (not self.fused_output_loss or sample_weight is not None
+                or keras.backend.backend() != "tensorflow"
+                or not isinstance(loss, LabelSmoothedCrossEntropy) or loss.reduction == "none"
+                or compile_loss is None or compile_loss._user_loss_weights is not None):
+            return None
+        if compile_metrics is not None:
+            if not compile_metrics.built:
+                # Without a strategy Keras builds them in the first traced
+                # `update_state`, from the logits this step does not make.
+                compile_metrics.build(labels, keras.KerasTensor(
+                    (None, None, self.config.target_vocab), "float32"))
+            if compile_metrics._flat_weighted_metrics != [None]:
+                return None
+            if not all(isinstance(metric, MaskedTokenAccuracy) and metric.pad_id == loss.pad_id
+                       for metric in compile_metrics.metrics):
+                return None
+        return loss
+
+    def _add_model_losses(self, loss):
+        """`loss` plus the losses layers added (`add_loss`, regularizers), as Keras' `compute_loss`."""
+        for extra in self.losses:
+            loss = loss + keras.ops.sum(keras.ops.cast(extra, loss.dtype))
+        return loss
 
     def test_step(self, data):
         return self._logs_for_multi_worker(super().test_step(data))

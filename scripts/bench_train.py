@@ -4,6 +4,13 @@ per-head attention) against the same architecture built from keras-hub's
 Multi30k token batches; and the machine's limit, so that each speed is also a
 model FLOP utilization (MFU).
 
+Implementations: "ours batched" and "ours per-head" (`attention_mode`) train with
+our `Transformer.train_step`, which computes the pre-softmax projection and the
+loss together from the decoder output and skips padding
+(`projected_smoothed_cross_entropy`); "ours logits" is "ours batched" trained by
+Keras' own step on the `(batch, len, vocab)` logits, as the keras-hub build is,
+to show what the fused step gives; "keras-hub" is the build described below.
+
 Models: `small` (3+3 layers, d_model 256, 4 heads, d_ff 1024) and `base-2`
 (the base widths: d_model 512, 8 heads, d_ff 2048, with 2+2 layers), a shared
 8000-piece vocabulary tied to the output projection in both builds, dropout
@@ -63,6 +70,7 @@ from keras_transformer.batching import TokenizedPairs  # noqa: E402
 from keras_transformer.trainer import mixed_precision_policy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+IMPLEMENTATIONS = ("ours batched", "ours per-head", "ours logits", "keras-hub")
 MODELS = {
     "small": dict(preset="small"),
     "base-2": dict(preset="base", num_layers=2),
@@ -138,6 +146,9 @@ def build(implementation, config, jit_compile):
     else:
         mode = "per_head" if implementation == "ours per-head" else "batched"
         model = kt.Transformer(kt.TransformerConfig(**{**config.to_dict(), "attention_mode": mode}))
+        # "ours logits": Keras' own step on the (batch, len, vocab) logits, as
+        # keras-hub's build trains, instead of our fused projection + loss.
+        model.fused_output_loss = implementation != "ours logits"
     model.compile(optimizer=kt.make_optimizer(config.d_model, warmup_steps=4000),
                   loss=kt.LabelSmoothedCrossEntropy(0.1, pad_id=config.pad_id),
                   metrics=[kt.MaskedTokenAccuracy(pad_id=config.pad_id)], jit_compile=jit_compile)
@@ -201,11 +212,15 @@ def main():
     parser.add_argument("--batch-tokens", type=int, default=4096)
     parser.add_argument("--data-dir", default=str(ROOT.parent / "shared" / "data" / "multi30k"))
     parser.add_argument("--models", default="small,base-2")
-    parser.add_argument("--implementations", default="ours batched,ours per-head,keras-hub")
+    parser.add_argument("--implementations", default=",".join(IMPLEMENTATIONS),
+                        help=f"comma-separated, from {', '.join(IMPLEMENTATIONS)}")
     parser.add_argument("--mixed-precision", action="store_true",
                         help="mixed_float16 on a GPU, mixed_bfloat16 on CPU (as `train --mixed-precision`)")
     parser.add_argument("--json", default=str(ROOT / "bench_results" / "train.json"))
     args = parser.parse_args()
+    unknown = sorted(set(args.implementations.split(",")) - set(IMPLEMENTATIONS))
+    if unknown:
+        parser.error(f"--implementations: unknown {unknown}; choose from {list(IMPLEMENTATIONS)}")
 
     policy = mixed_precision_policy() if args.mixed_precision else "float32"
     limit_start = matmul_limit()

@@ -111,6 +111,92 @@ def test_token_accuracy_equals_argmax_accuracy():
     assert float(metric.result()) == pytest.approx(expected)
 
 
+def _projected_case(seed=0, tokens=23, width=5, vocab=11):
+    rng = np.random.default_rng(seed)
+    hidden = rng.normal(size=(tokens, width)).astype("float32")
+    kernel = rng.normal(size=(vocab, width)).astype("float32")
+    bias = 0.01 * rng.normal(size=(vocab,)).astype("float32")
+    labels = rng.integers(0, vocab, size=tokens)
+    labels[::3] = (hidden @ kernel.T).argmax(-1)[::3]  # some predictions right
+    weights = (rng.random(tokens) < 0.6) * rng.choice([0.5, 1.0, 2.0], size=tokens)
+    return hidden, kernel, bias, labels, weights.astype("float32")
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_projected_loss_equals_projecting_then_the_loss(with_bias, jit_compile):
+    """Sums, counts and all three gradients match logits -> `smoothed_cross_entropy`,
+    with chunks of 4 positions (several, the last one partly used) and zero
+    weights scattered among the positions; unknown lengths without XLA."""
+    import tensorflow as tf
+
+    hidden, kernel, bias, labels, weights = _projected_case()
+    bias = bias if with_bias else None
+
+    def reference(hidden, kernel, bias):
+        logits = tf.matmul(hidden, kernel, transpose_b=True) + (0.0 if bias is None else bias)
+        losses = kt.losses.smoothed_cross_entropy(labels, logits, 0.1)
+        hits = tf.cast(tf.gather(logits, labels, batch_dims=1) >= tf.reduce_max(logits, -1),
+                       "float32")
+        return tf.reduce_sum(losses * weights), tf.reduce_sum(hits * weights)
+
+    def projected(hidden, kernel, bias):
+        return kt.losses.projected_smoothed_cross_entropy(
+            hidden, kernel, labels, weights, 0.1, bias=bias, chunk_size=4)
+
+    results = []
+    for function in (reference, projected):
+        signature = None if jit_compile else [tf.TensorSpec((None, 5)), tf.TensorSpec((11, 5))]
+
+        @tf.function(jit_compile=jit_compile, input_signature=signature)
+        def value_and_gradients(hidden, kernel, function=function):
+            variables = [hidden, kernel] + ([] if bias is None else [tf.constant(bias)])
+            with tf.GradientTape() as tape:
+                tape.watch(variables)
+                total, correct = function(*variables[:2], variables[2] if bias is not None else None)
+                scaled = 3.0 * total  # an upstream gradient other than 1
+            return total, correct, tape.gradient(scaled, variables)
+
+        results.append(value_and_gradients(tf.constant(hidden), tf.constant(kernel)))
+    (total, correct, gradients), (fused_total, fused_correct, fused_gradients) = results
+    assert 0 < float(correct) < float(tf.reduce_sum(weights))
+    np.testing.assert_allclose(float(fused_total), float(total), rtol=1e-5)
+    assert float(fused_correct) == float(correct)
+    for expected, actual in zip(gradients, fused_gradients):
+        np.testing.assert_allclose(actual.numpy(), expected.numpy(), atol=1e-5)
+
+
+def test_projected_loss_of_only_padding_is_zero_with_zero_gradients():
+    import tensorflow as tf
+
+    hidden, kernel, _, labels, _ = _projected_case()
+    hidden, kernel = tf.constant(hidden), tf.constant(kernel)
+    with tf.GradientTape() as tape:
+        tape.watch([hidden, kernel])
+        total, correct = kt.losses.projected_smoothed_cross_entropy(
+            hidden, kernel, labels, np.zeros(len(labels), "float32"), 0.1, chunk_size=4)
+    gradients = tape.gradient(total, [hidden, kernel])
+    assert float(total) == 0.0 and float(correct) == 0.0
+    assert all(float(tf.reduce_max(tf.abs(gradient))) == 0.0 for gradient in gradients)
+
+
+def test_loss_from_decoder_output_matches_the_loss_on_logits():
+    labels, _ = _labels_and_logits()
+    rng = np.random.default_rng(1)
+    hidden = rng.normal(size=labels.shape + (5,)).astype("float32")
+    kernel = rng.normal(size=(11, 5)).astype("float32")
+    logits = hidden @ kernel.T
+    for reduction in ("mean", "sum"):
+        loss = kt.LabelSmoothedCrossEntropy(reduction=reduction)
+        value, correct, count = loss.from_decoder_output(labels, hidden, kernel)
+        assert float(value) == pytest.approx(float(loss(labels, logits)), rel=1e-5)
+        metric = kt.MaskedTokenAccuracy()
+        metric.update_state(labels, logits)
+        assert (float(correct), float(count)) == (float(metric.correct), float(metric.count))
+    with pytest.raises(ValueError, match='reduction="none" is not supported'):
+        kt.LabelSmoothedCrossEntropy(reduction="none").from_decoder_output(labels, hidden, kernel)
+
+
 def test_noam_schedule_follows_section_5_3():
     schedule = kt.NoamSchedule(d_model=512, warmup_steps=4000)
     def paper(step):

@@ -1,5 +1,6 @@
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 import keras_transformer as kt
@@ -57,3 +58,46 @@ def test_mirrored_strategy_step_equals_single_device_step():
     assert actual.keys() == expected.keys()
     for path, expected_weight in expected.items():
         np.testing.assert_allclose(actual[path], expected_weight, atol=1e-5, err_msg=path)
+
+
+def _train_steps(fused, jit_compile=False, tie_output=True, metrics=None, sample_weight=None):
+    config = kt.TransformerConfig.from_preset("tiny", vocab_size=30, dropout_rate=0.0,
+                                              tie_output=tie_output)
+    inputs, labels = kt.sequence_task("reverse", 16, 30, max_length=8, seed=4)
+    keras.utils.set_random_seed(5)
+    model = kt.Transformer(config, name="transformer")
+    model.build()
+    kt.compile_transformer(model, optimizer=keras.optimizers.SGD(0.5), jit_compile=jit_compile)
+    if metrics is not None:
+        model.compile(optimizer=keras.optimizers.SGD(0.5), loss=model.loss, metrics=metrics,
+                      jit_compile=jit_compile)
+    model.fused_output_loss = fused
+    steps = [model.train_on_batch(inputs, labels, sample_weight=sample_weight, return_dict=True)
+             for _ in range(2)]
+    weights = {weight.path: np.asarray(weight) for weight in model.weights}
+    return model, steps, weights
+
+
+@pytest.mark.parametrize("jit_compile,tie_output", [(False, True), (True, True), (False, False)])
+def test_fused_projection_and_loss_train_like_the_logits_path(jit_compile, tie_output):
+    """`train_step`'s fused path (no logits, padding skipped) == Keras' step on logits:
+    the logged loss and accuracy, and every weight after two SGD steps."""
+    model, fused_steps, fused = _train_steps(True, jit_compile, tie_output)
+    assert model._fused_loss_function(None, None) is model.loss  # the fused path ran
+    _, logit_steps, expected = _train_steps(False, jit_compile, tie_output)
+    for fused_logs, logs in zip(fused_steps, logit_steps):
+        assert fused_logs.keys() == logs.keys() == {"loss", "token_accuracy"}
+        for name in logs:
+            assert fused_logs[name] == pytest.approx(logs[name], rel=1e-5), name
+    for path, weight in expected.items():
+        np.testing.assert_allclose(fused[path], weight, atol=2e-5, err_msg=path)
+
+
+def test_train_step_falls_back_to_logits_for_what_it_cannot_fuse():
+    inputs, labels = kt.sequence_task("reverse", 16, 30, max_length=8, seed=4)
+    model, steps, _ = _train_steps(True, metrics=[kt.MaskedTokenAccuracy(), "sparse_categorical_accuracy"])
+    assert model._fused_loss_function(labels, None) is None
+    assert {"token_accuracy", "sparse_categorical_accuracy"} <= set(steps[-1])
+    model, steps, _ = _train_steps(True, sample_weight=np.linspace(0.5, 1.5, 16))
+    assert model._fused_loss_function(labels, np.ones(16)) is None
+    assert np.isfinite(steps[-1]["loss"])
