@@ -247,6 +247,8 @@ class Transformer(keras.Model):
         same loss, gradients and metrics as the logits path (which every other
         compile set-up takes; `fused_output_loss = False` forces it).
         """
+        if not self.built:
+            self.build()  # as the model's first call would; the fused step never calls it
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         loss_function = self._fused_loss_function(y, sample_weight)
         if loss_function is None:

@@ -186,4 +186,5 @@ def test_a_model_left_unbuilt_builds_inside_fit():
     inputs, labels = kt.sequence_task("copy", 64, vocab_size=20, max_length=6, seed=0)
     history = model.fit(inputs, labels, batch_size=16, epochs=2, verbose=0)
     assert np.all(np.isfinite(history.history["loss"]))
+    assert model.built and model.count_params() > 0  # the fused train step never calls the model
     assert model(inputs).shape == (64, labels.shape[1], 20)
