@@ -137,6 +137,7 @@ def projected_smoothed_cross_entropy(hidden, kernel, labels, weights, label_smoo
     @ops.custom_gradient
     def loss_sums(hidden, kernel, *extra):
         sorted_hidden = sort_and_pad(hidden)
+        kernel_t = ops.transpose(kernel)  # (d_model, vocab), once for all chunks
 
         def add_chunk(chunk, state):
             loss_sum, correct_sum, d_hidden, d_kernel, d_bias = state
@@ -144,7 +145,7 @@ def projected_smoothed_cross_entropy(hidden, kernel, labels, weights, label_smoo
             hidden_chunk = ops.slice(sorted_hidden, (start, 0), (chunk_size, width))
             chunk_labels = ops.slice(sorted_labels, (start,), (chunk_size,))
             chunk_weights = ops.slice(sorted_weights, (start,), (chunk_size,))
-            logits = ops.matmul(hidden_chunk, ops.transpose(kernel))  # (chunk, vocab)
+            logits = ops.matmul(hidden_chunk, kernel_t)  # (chunk, vocab)
             if extra:
                 logits = logits + extra[0]
             losses, log_normalizer, label_logits = _smoothed_losses(
@@ -154,17 +155,19 @@ def projected_smoothed_cross_entropy(hidden, kernel, labels, weights, label_smoo
                                                 label_smoothing)
                         * ops.expand_dims(chunk_weights, axis=-1))
             d_hidden = ops.slice_update(d_hidden, (start, 0), ops.matmul(d_logits, kernel))
+            if extra:  # no bias, no (chunk, vocab) reduction for its gradient
+                d_bias = d_bias + ops.sum(d_logits, axis=0)
             return (loss_sum + ops.sum(losses * chunk_weights),
                     correct_sum + ops.sum(hits * chunk_weights),
                     d_hidden,
                     d_kernel + ops.matmul(ops.transpose(d_logits), hidden_chunk),
-                    d_bias + ops.sum(d_logits, axis=0))
+                    d_bias)
 
         zero = ops.zeros((), "float32")
         loss_sum, correct_sum, d_hidden, d_kernel, d_bias = ops.fori_loop(
             0, chunks_used, add_chunk,
             (zero, zero, ops.zeros_like(sorted_hidden), ops.zeros_like(kernel),
-             ops.zeros((ops.shape(kernel)[0],), "float32")))
+             ops.zeros_like(extra[0]) if extra else zero))
 
         d_hidden = ops.take(d_hidden, ops.argsort(order), axis=0)  # back to position order
 

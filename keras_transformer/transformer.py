@@ -250,7 +250,13 @@ class Transformer(keras.Model):
         if not self.built:
             self.build()  # as the model's first call would; the fused step never calls it
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        loss_function = self._fused_loss_function(y, sample_weight)
+        compile_metrics = getattr(self, "_compile_metrics", None)
+        if compile_metrics is not None and not compile_metrics.built:
+            # Without a strategy Keras builds them in the first traced
+            # `update_state`, from the logits the fused step does not make.
+            compile_metrics.build(y, keras.KerasTensor((None, None, self.config.target_vocab),
+                                                       "float32"))
+        loss_function = self._fused_loss_function(sample_weight)
         if loss_function is None:
             return self._logs_for_multi_worker(super().train_step(data))
         import tensorflow as tf
@@ -273,7 +279,7 @@ class Transformer(keras.Model):
             metric.update_counts(correct, count)
         return self._logs_for_multi_worker(self.get_metrics_result())
 
-    def _fused_loss_function(self, labels, sample_weight):
+    def _fused_loss_function(self, sample_weight):
         """The compiled `LabelSmoothedCrossEntropy` when `train_step` can fuse it, else None.
 
         It can when it is the only loss (no loss weights), reduces to a mean or
@@ -292,12 +298,7 @@ class Transformer(keras.Model):
                 or compile_loss is None or compile_loss._user_loss_weights is not None):
             return None
         if compile_metrics is not None:
-            if not compile_metrics.built:
-                # Without a strategy Keras builds them in the first traced
-                # `update_state`, from the logits this step does not make.
-                compile_metrics.build(labels, keras.KerasTensor(
-                    (None, None, self.config.target_vocab), "float32"))
-            if compile_metrics._flat_weighted_metrics != [None]:
+            if not compile_metrics.built or compile_metrics._flat_weighted_metrics != [None]:
                 return None
             if not all(isinstance(metric, MaskedTokenAccuracy) and metric.pad_id == loss.pad_id
                        for metric in compile_metrics.metrics):
