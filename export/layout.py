@@ -11,7 +11,11 @@ the versions already there are untouched; the next export deletes what a
 killed one left. Replacing an existing version
 (`overwrite=True`) moves the old one aside first, renames the new one in,
 then deletes the old one: at every moment the path holds a complete export
-or nothing.
+or nothing. A write the storage refuses (a full disk) removes the partial
+directory and raises `keras_transformer.files.StorageError`.
+
+One exporter at a time per destination (`export_lock`): a second one is
+refused with the first one's pid.
 """
 
 import contextlib
@@ -20,7 +24,8 @@ import re
 import shutil
 import tempfile
 
-from keras_transformer.files import atomic_write
+from keras_transformer.files import StorageError, atomic_write
+from keras_transformer.locking import WriterLock
 from keras_transformer.validation import UserError
 
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -57,6 +62,19 @@ def check_free(path, overwrite=False):
     return path
 
 
+def export_lock(export_format, out):
+    """The `WriterLock` of an export's destination.
+
+    `saved_model`: the TF Serving base directory `out` (its versions and
+    `models.config`); `onnx`: `out` is replaced as a whole, so the lock file
+    `.<name>.lock` lives beside it in its parent.
+    """
+    out = os.path.abspath(out)
+    if export_format == "saved_model":
+        return WriterLock(out)
+    return WriterLock(os.path.dirname(out), lock_name=f".{os.path.basename(out)}.lock")
+
+
 @contextlib.contextmanager
 def atomic_directory(path, overwrite=False):
     """Yields a temporary directory to fill; it becomes `path` when the block succeeds.
@@ -81,6 +99,12 @@ def atomic_directory(path, overwrite=False):
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(temporary, path)
+    except Exception as error:
+        # TensorFlow's writers raise their own error types; the message tells a full disk.
+        if isinstance(error, OSError) or "No space left on device" in str(error):
+            raise StorageError(path, error if isinstance(error, OSError) else
+                               OSError(28, "No space left on device")) from error
+        raise
     finally:
         if os.path.exists(temporary):
             shutil.rmtree(temporary, ignore_errors=True)

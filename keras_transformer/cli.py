@@ -15,7 +15,11 @@
 DATASET: `synthetic` (built in), `multi30k` (downloaded into a cache, or
 `--data-dir DIR` with a local copy), `files:SRC,TGT` (aligned UTF-8 files).
 Problems with the input print one line `keras-transformer: error: ...` and
-exit with status 2; a training run stopped by a NaN loss exits with status 1.
+exit with status 2 (also: a directory that another process is writing, a
+corrupt checkpoint); a training run stopped by a NaN loss, and a save that the
+storage refused (a full disk), exit with status 1; a training run stopped by
+SIGTERM or SIGINT exits with status 75 once its state is saved (the same
+command with `--resume` continues it).
 """
 
 import argparse
@@ -56,6 +60,10 @@ def _train(args):
         save_every_steps=args.save_every_steps, resume=args.resume, overwrite=args.overwrite,
         seed=args.seed)
     result = train(options)
+    if result.status == "preempted":
+        from keras_transformer.preemption import EXIT_PREEMPTED
+
+        return EXIT_PREEMPTED
     return 0 if result.status == "finished" else 1
 
 
@@ -144,19 +152,27 @@ def _evaluate(args):
 def _export(args):
     # The exporters live in the top-level `export` package (the library never imports it).
     from export.graphs import TranslationGraphs
-    from export.layout import check_free, check_model_name
+    from export.layout import check_free, check_model_name, export_lock
     from keras_transformer.run_directory import load_model, resolve_model
 
     run, model_path = resolve_model(args.model)
     name = check_model_name(args.name or os.path.basename(os.path.abspath(run.path)))
-    # Refuse an occupied destination before the slow part (loading and tracing).
-    if args.format == "onnx":
-        check_free(args.out, args.overwrite)
-    elif args.version is not None:
-        check_free(os.path.join(args.out, name, str(args.version)), args.overwrite)
-    graphs = TranslationGraphs(load_model(model_path), run.tokenizer(), beam_size=args.beam_size,
-                               length_penalty=args.length_penalty,
-                               max_extra_length=args.max_extra_length)
+    # One exporter at a time per destination: the TF Serving base directory
+    # (versions and models.config), or the ONNX directory's parent.
+    out = os.path.abspath(args.out)
+    with export_lock(args.format, out):
+        # Refuse an occupied destination before the slow part (loading and tracing).
+        if args.format == "onnx":
+            check_free(out, args.overwrite)
+        elif args.version is not None:
+            check_free(os.path.join(out, name, str(args.version)), args.overwrite)
+        graphs = TranslationGraphs(load_model(model_path), run.tokenizer(),
+                                   beam_size=args.beam_size, length_penalty=args.length_penalty,
+                                   max_extra_length=args.max_extra_length)
+        return _write_export(args, graphs, name)
+
+
+def _write_export(args, graphs, name):
     start = time.perf_counter()
     if args.format == "saved_model":
         from export.saved_model import export_saved_model
@@ -180,15 +196,22 @@ def _export(args):
 
 
 def _average(args):
+    from keras_transformer.run_directory import RunDirectory
+
+    run = RunDirectory(args.model)
+    settings = run.settings()
+    with run.lock:  # not while `train` writes the checkpoints
+        return _average_into(args, run, settings)
+
+
+def _average_into(args, run, settings):
     from keras_transformer.checkpoints import average_checkpoints, epoch_checkpoints
     from keras_transformer.config import TransformerConfig
-    from keras_transformer.run_directory import RunDirectory, save_model
+    from keras_transformer.run_directory import save_model
     from keras_transformer.training import compile_transformer
     from keras_transformer.transformer import Transformer
     from keras_transformer.validation import UserError
 
-    run = RunDirectory(args.model)
-    settings = run.settings()
     checkpoints = epoch_checkpoints(run.checkpoints_dir)
     if len(checkpoints) < args.last:
         raise UserError(f"--last {args.last}, but {run.checkpoints_dir} holds {len(checkpoints)} "
@@ -364,6 +387,7 @@ def build_parser():
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    from keras_transformer.files import StorageError
     from keras_transformer.validation import UserError
 
     try:
@@ -371,6 +395,9 @@ def main(argv=None):
     except UserError as error:
         print(f"keras-transformer: error: {error}", file=sys.stderr)
         return 2
+    except StorageError as error:
+        print(f"keras-transformer: error: {error}; {error.hint}.", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

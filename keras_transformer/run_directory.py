@@ -14,15 +14,20 @@ commands read.
 
 Every file is written atomically (temporary name + rename). A directory
 appears only once the input has been checked, so a run that fails on bad
-input leaves nothing that could pass for a result.
+input leaves nothing that could pass for a result. A writer (`train`,
+`average`) holds the directory's `WriterLock` (`.keras-transformer.lock`) while
+it writes; a second writer is refused.
 """
 
 import json
 import os
 import pathlib
 import shutil
+import zipfile
 
-from keras_transformer.files import atomic_path, atomic_write
+from keras_transformer.files import atomic_write
+from keras_transformer.keras_compat import model_bytes
+from keras_transformer.locking import LOCK_NAME, WriterLock
 from keras_transformer.validation import UserError
 
 
@@ -40,9 +45,16 @@ class RunDirectory:
         self.curve_path = self.path / "learning_curve.png"
         self.model_path = self.path / "model.keras"
         self.averaged_path = self.path / "averaged.keras"
+        self.lock = WriterLock(self.path)
 
     def exists(self):
-        return self.path.exists() and any(self.path.iterdir())
+        """True when the directory holds anything besides the writer lock file."""
+        return self.path.is_dir() and any(entry.name != LOCK_NAME for entry in self.path.iterdir())
+
+    def lock_if_present(self):
+        """Takes the writer lock now if the directory exists (a second writer fails fast)."""
+        if self.path.is_dir():
+            self.lock.acquire()
 
     def check_can_start(self, resume=False, overwrite=False):
         """Raises `UserError` when `path` holds something we must not silently reuse."""
@@ -59,11 +71,22 @@ class RunDirectory:
             raise UserError(f"{self.path} is not empty but holds no run.json, so it is not a "
                             f"run to resume; choose another --out.")
 
-    def create(self, overwrite=False):
-        """Makes the directory (after removing an old run when `overwrite`)."""
-        if overwrite and self.path.exists():
-            shutil.rmtree(self.path)
-        self.path.mkdir(parents=True, exist_ok=True)
+    def create(self, resume=False, overwrite=False):
+        """Makes the directory and takes its writer lock; removes an old run when `overwrite`.
+
+        The checks of `check_can_start` are repeated under the lock: another
+        writer may have filled the directory since they were first made.
+        """
+        self.lock.acquire()
+        self.check_can_start(resume, overwrite)
+        if overwrite:
+            for entry in self.path.iterdir():
+                if entry.name == LOCK_NAME:
+                    continue
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink()
 
     def write_json(self, path, value):
         atomic_write(path, json.dumps(value, indent=2, sort_keys=True) + "\n")
@@ -110,10 +133,18 @@ def load_model(path):
 
     import keras_transformer  # noqa: F401  (registers the layers)
 
-    return keras.saving.load_model(os.fspath(path), compile=False, safe_mode=True)
+    try:
+        return keras.saving.load_model(os.fspath(path), compile=False, safe_mode=True)
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as error:
+        detail = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        raise UserError(f"{path} cannot be loaded ({detail}); it is damaged or not a "
+                        f"keras-transformer model. Train or average it again.") from None
 
 
 def save_model(model, path):
-    """`model.save(path)` atomically: a `.keras` file is complete or absent."""
-    with atomic_path(os.fspath(path), suffix=".keras") as temporary:
-        model.save(temporary)
+    """`model.save(path)` atomically: a `.keras` file is complete or absent.
+
+    The file is made in memory and written with plain file I/O, so a full disk
+    raises `files.StorageError` instead of crashing inside HDF5.
+    """
+    atomic_write(os.fspath(path), model_bytes(model))

@@ -7,8 +7,14 @@
 Order of work: every input is checked (run directory, strategy, corpus,
 vocabulary, model config) before the run directory is created, so bad input
 leaves nothing behind. A resumed run reuses the stored vocabulary and config,
-restores weights, optimizer, epoch and step, and replays the interrupted
-epoch's remaining batches in the same order (`TokenizedPairs.epoch`).
+restores weights, optimizer, dropout RNG, epoch and step from the newest intact
+snapshot (`checkpoints.restore_latest`), and replays the interrupted epoch's
+remaining batches in the same order (`TokenizedPairs.epoch`).
+
+Faults: the run directory's writer lock admits one `train` at a time
+(`locking.py`); a full disk stops the run with a `StorageError` and the last
+complete state intact; SIGTERM/SIGINT stop it at the next step boundary with
+the state saved and status `preempted` (`preemption.py`).
 """
 
 import dataclasses
@@ -20,9 +26,12 @@ import numpy as np
 import tensorflow as tf
 
 from keras_transformer.batching import TokenizedPairs
-from keras_transformer.checkpoints import EpochCheckpoints, TrainingState, epoch_checkpoints
+from keras_transformer.checkpoints import (EpochCheckpoints, TrainingState, epoch_checkpoints,
+                                           restore_latest)
 from keras_transformer.config import TransformerConfig
 from keras_transformer.data import load_corpus
+from keras_transformer.files import StorageError
+from keras_transformer.preemption import Preempted, StopAtStepBoundary, StopSignals
 from keras_transformer.run_directory import RunDirectory, save_model
 from keras_transformer.tokenizer import Tokenizer
 from keras_transformer.training import (build_for_fit, compile_transformer, select_strategy,
@@ -69,7 +78,7 @@ class TrainingOptions:
 
 @dataclasses.dataclass
 class TrainingResult:
-    status: str  # "finished" or "stopped: ..."
+    status: str  # "finished", "preempted" or "stopped: ..."
     run: RunDirectory
     epochs: list
     model: object
@@ -145,11 +154,26 @@ class MetricsLog(keras.callbacks.Callback):
 def train(options, callbacks=(), log=print):
     """Runs `options` (a `TrainingOptions`) to the end; returns a `TrainingResult`.
 
-    `UserError` for bad input (nothing written). `callbacks` are added to
-    `fit`'s (tests use them to inject faults).
+    `UserError` for bad input (nothing written) and for a run directory that
+    another process is writing (`locking.DirectoryBusy`); `StorageError` when
+    saving fails (full disk), the last complete state kept. A SIGTERM/SIGINT
+    returns status `"preempted"`. `callbacks` are added to `fit`'s (tests use
+    them to inject faults).
     """
     run = RunDirectory(options.out)
-    run.check_can_start(options.resume, options.overwrite)
+    try:
+        run.check_can_start(options.resume, options.overwrite)  # leaves no lock file when refused
+        run.lock_if_present()  # a second writer fails before any work
+        return _train(run, options, callbacks, log)
+    except StorageError as error:
+        error.hint = "free space and run the same command with --resume"
+        raise
+    finally:
+        run.lock.release()
+
+
+def _train(run, options, callbacks, log):
+    run.check_can_start(options.resume, options.overwrite)  # again, now under the lock
     strategy = select_strategy(options.strategy)  # before any TF op (multi-worker needs that)
     index, workers = worker_index(strategy)
     stored = run.settings() if options.resume and run.settings_path.exists() else None
@@ -171,7 +195,10 @@ def train(options, callbacks=(), log=print):
     validation = TokenizedPairs(*val_pairs, tokenizer, options.batch_tokens, config.max_length,
                                 row_multiple=workers)
 
-    run.create(overwrite=options.overwrite)
+    run.create(resume=options.resume, overwrite=options.overwrite)
+    if stored is None and run.settings_path.exists() and not options.overwrite:
+        raise UserError(f"Another process started a run in {run.path} meanwhile; run the command "
+                        f"again to resume it.")
     if stored is None:
         tokenizer.save(run.tokenizer_path)
         run.write_json(run.settings_path, {"options": _jsonable(options), "model": config.to_dict(),
@@ -191,7 +218,8 @@ def train(options, callbacks=(), log=print):
         build_for_fit(model)
     log(f"Model: preset {options.preset}, {model.count_params():,} parameters, "
         f"{strategy.num_replicas_in_sync} replica(s), --strategy {options.strategy}.")
-    epoch, step = _restore(run, model, stored is not None, log)
+    epoch, step = (restore_latest(model, run.state_dir, run.checkpoints_dir, log)
+                   if stored is not None else (0, 0))
     return _fit(options, run, strategy, model, batches, validation, epoch, step, callbacks, log,
                 (index, workers))
 
@@ -202,13 +230,16 @@ def _fit(options, run, strategy, model, batches, validation, epoch, step, callba
                else {"epochs": [], "parameters": model.count_params()})
     summary.update(status="running", examples=batches.info.examples, dropped=batches.info.dropped,
                    batches_per_epoch=steps, replicas=strategy.num_replicas_in_sync)
+    summary.pop("preempted_at", None)
     target_tokens = int(np.sum(batches.target_ids.row_lengths().numpy()) + batches.info.examples)
     metrics_log, nan_guard = MetricsLog(run, summary, target_tokens), NonFiniteLoss()
     state = TrainingState(run.state_dir, options.save_every_steps or max(1, steps // 4))
+    tensorboard, signals = keras.callbacks.TensorBoard(str(run.logs_dir)), StopSignals(log)
     all_callbacks = [nan_guard, metrics_log, EpochCheckpoints(run.checkpoints_dir, options.keep_checkpoints),
-                     state, keras.callbacks.TensorBoard(str(run.logs_dir)), *callbacks]
+                     state, tensorboard, *callbacks]
     if options.max_minutes:
         all_callbacks.append(TimeBudget(60 * options.max_minutes))
+    all_callbacks.append(StopAtStepBoundary(signals, state))  # last: the others have seen the batch
     verbose = options.verbose if options.verbose is not None else (1 if sys.stdout.isatty() else 2)
     validation_data = _distribute(validation.in_order(), worker[1])
     segments = []
@@ -217,17 +248,33 @@ def _fit(options, run, strategy, model, batches, validation, epoch, step, callba
         epoch += 1
     if epoch < options.epochs:
         segments.append((epoch, options.epochs, 0))
-    for first, stop, skip in segments:
-        metrics_log.first_step = state.first_step = skip
-        metrics_log.steps_per_epoch = steps
-        dataset = _distribute(batches.epochs(first, stop, options.seed, skip), worker[1])
-        # A skipping segment is one epoch long, so `steps - skip` is its length.
-        model.fit(dataset, initial_epoch=first, epochs=stop, steps_per_epoch=steps - skip,
-                  validation_data=validation_data,
-                  shuffle=False, verbose=verbose, callbacks=all_callbacks)
-        if nan_guard.where or model.stop_training:
-            break
+    with signals:
+        try:
+            for first, stop, skip in segments:
+                if signals.requested:
+                    raise Preempted(signals.requested, first, skip)
+                metrics_log.first_step = state.first_step = skip
+                metrics_log.steps_per_epoch = steps
+                dataset = _distribute(batches.epochs(first, stop, options.seed, skip), worker[1])
+                # A skipping segment is one epoch long, so `steps - skip` is its length.
+                model.fit(dataset, initial_epoch=first, epochs=stop, steps_per_epoch=steps - skip,
+                          validation_data=validation_data,
+                          shuffle=False, verbose=verbose, callbacks=all_callbacks)
+                if nan_guard.where or model.stop_training:
+                    break
+        except Preempted as stop:
+            tensorboard.on_train_end()  # `fit` did not get there: close its event files
+            return _preempted(run, model, summary, metrics_log, stop, log)
     return _finish(run, model, summary, metrics_log, nan_guard, log)
+
+
+def _preempted(run, model, summary, metrics_log, stop, log):
+    summary["status"] = "preempted"
+    summary["preempted_at"] = {"epoch": stop.epoch + 1, "step": stop.step, "signal": stop.signal_name}
+    metrics_log.write()
+    log(f"Training {stop}; the state is saved in {run.state_dir}. Run the same command with "
+        f"--resume to continue.")
+    return TrainingResult("preempted", run, summary["epochs"], model)
 
 
 def _finish(run, model, summary, metrics_log, nan_guard, log):
@@ -249,15 +296,6 @@ def _finish(run, model, summary, metrics_log, nan_guard, log):
         plot_learning_curve(summary["epochs"], run.curve_path)
     log(f"Finished; the model is in {run.model_path}, metrics in {run.metrics_path}.")
     return TrainingResult("finished", run, summary["epochs"], model)
-
-
-def _restore(run, model, resuming, log):
-    state = TrainingState.load(run.state_dir) if resuming else None
-    if state is None:
-        return 0, 0
-    model.load_weights(state["weights"])
-    log(f"Resuming from {state['weights']}: epoch {state['epoch'] + 1}, step {state['step']}.")
-    return state["epoch"], state["step"]
 
 
 def _distribute(dataset, workers):

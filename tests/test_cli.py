@@ -92,7 +92,7 @@ def test_mirrored_strategy_trains_through_the_cli(trained_run):
     for name in ("run.json", "tokenizer.model", "model.keras", "learning_curve.png"):
         assert (trained_run / name).is_file(), name
     assert sorted(os.listdir(trained_run / "checkpoints")) == [
-        f"epoch-{n:04d}.weights.h5" for n in (1, 2, 3)]
+        *(f"epoch-{n:04d}.weights.h5" for n in (1, 2, 3)), "manifest.json"]
     assert any((trained_run / "logs").rglob("events.out.tfevents.*"))
 
 

@@ -5,6 +5,7 @@ a killed export leaves no visible version."""
 import hashlib
 import json
 import os
+import pathlib
 import re
 import signal
 import subprocess
@@ -78,26 +79,105 @@ FRESH_PROCESS = """
 import json, sys
 import tensorflow as tf
 import tensorflow_text  # noqa: F401  (registers the SentencePiece ops, as TF Serving links them)
-sentences = json.load(sys.stdin)
-translate = tf.saved_model.load(sys.argv[1]).signatures["serving_default"]
-outputs = translate(text=tf.constant(sentences))
-print(json.dumps({
+request = json.load(sys.stdin)
+sentences = request["sentences"]
+loaded = tf.saved_model.load(sys.argv[1]).signatures
+outputs = loaded["serving_default"](text=tf.constant(sentences))
+result = {
     "translations": [t.decode("utf-8") for t in outputs["translation"].numpy()],
     "scores": outputs["score"].numpy().tolist(),
-    "project_modules": sorted(m for m in sys.modules if m.split(".")[0] in ("keras_transformer", "export")),
-}))
+    "target_ids": loaded["translate_ids"](source_ids=tf.constant(request["source_ids"]))[
+        "target_ids"].numpy().tolist(),
+    "log_likelihood": loaded["score"](source=tf.constant(sentences), target=tf.constant(
+        request["targets"]))["log_likelihood"].numpy().tolist(),
+}
+
+# TF Serving's way: a SavedModelBundle in a TF1 session, Session::Run on the signature's
+# tensor names, XLA off (TF Serving enables it only with a flag).
+tf.config.optimizer.set_jit(False)
+config = tf.compat.v1.ConfigProto()
+config.graph_options.optimizer_options.global_jit_level = tf.compat.v1.OptimizerOptions.OFF
+with tf.compat.v1.Session(graph=tf.Graph(), config=config) as session:
+    meta_graph = tf.compat.v1.saved_model.loader.load(session, ["serve"], sys.argv[1])
+
+    def run(name, **inputs):
+        signature = meta_graph.signature_def[name]
+        names = sorted(signature.outputs)
+        values = session.run([signature.outputs[key].name for key in names],
+                             feed_dict={signature.inputs[key].name: value for key, value in inputs.items()})
+        return dict(zip(names, values))
+
+    outputs = run("serving_default", text=sentences)
+    result["session"] = {
+        "translations": [t.decode("utf-8") for t in outputs["translation"]],
+        "scores": outputs["score"].tolist(),
+        "target_ids": run("translate_ids", source_ids=request["source_ids"])["target_ids"].tolist(),
+        "log_likelihood": run("score", source=sentences, target=request["targets"])[
+            "log_likelihood"].tolist(),
+    }
+result["project_modules"] = sorted(m for m in sys.modules if m.split(".")[0] in ("keras_transformer", "export"))
+print(json.dumps(result))
 """
 
 
-def test_fresh_process_with_only_tensorflow_matches_translate_cli(exported, sentences, cli_translations):
+def test_fresh_process_and_tf_serving_session_match_translate_cli(exported, trained_run, sentences,
+                                                                   cli_translations, synthetic_files):
+    """`tf.saved_model.load` and TF Serving's loading path (TF1 session, tensor names, no XLA),
+    in a process with only TensorFlow and tf-text: the translations of `keras-transformer
+    translate`, and the same ids, scores and log-likelihoods from both paths."""
+    from keras_transformer.run_directory import RunDirectory
+
+    tokenizer = RunDirectory(trained_run).tokenizer()
+    targets = synthetic_files[1].read_text(encoding="utf-8").splitlines()[-SENTENCES:]
+    request = {"sentences": sentences, "targets": targets,
+               "source_ids": tokenizer.encode(tf.constant(sentences[:16])).numpy().tolist()}
     completed = subprocess.run(
         [sys.executable, "-c", FRESH_PROCESS, str(exported[0] / "tiny" / "1")],
-        input=json.dumps(sentences), capture_output=True, text=True, cwd="/", env={
-            k: v for k, v in _env().items() if k != "PYTHONPATH"}, check=True)
+        input=json.dumps(request), capture_output=True, text=True, cwd="/", env={
+            k: v for k, v in _env().items() if k != "PYTHONPATH"})
+    assert completed.returncode == 0, completed.stderr[-3000:]
     result = json.loads(completed.stdout)
     assert result["project_modules"] == []
     assert result["translations"] == cli_translations
     assert np.all(np.isfinite(result["scores"]))
+    session = result["session"]
+    assert session["translations"] == cli_translations
+    assert session["target_ids"] == result["target_ids"]
+    np.testing.assert_allclose(session["scores"], result["scores"], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(session["log_likelihood"], result["log_likelihood"], rtol=1e-5, atol=1e-5)
+
+
+TF_TEXT_OPS = os.path.join(ROOT, "export", "tf_text_ops_2.20.0.json")
+
+
+def test_serving_graph_has_no_xla_and_only_ops_tf_serving_2_20_has(exported):
+    """Static check of saved_model.pb: no function or node marked for XLA (TF Serving runs
+    without XLA unless a flag enables it, and a `jit_compile` function then fails on its first
+    call), and every op that is not TensorFlow's own is a tf-text 2.20.0 op whose definition
+    there has all the attributes the node sets (else: "NodeDef mentions attr ... not in Op")."""
+    from tensorflow.core.protobuf import saved_model_pb2
+
+    saved_model = saved_model_pb2.SavedModel()
+    saved_model.ParseFromString((exported[0] / "tiny" / "1" / "saved_model.pb").read_bytes())
+    (meta_graph,) = saved_model.meta_graphs
+    functions = meta_graph.graph_def.library.function
+    nodes = list(meta_graph.graph_def.node) + [node for f in functions for node in f.node_def]
+    function_names = {f.signature.name for f in functions}
+    xla_attrs = ("_XlaMustCompile", "_XlaCompile", "_XlaScope", "_noinline_xla")
+    marked = [f.signature.name for f in functions if f.attr["_XlaMustCompile"].b]
+    marked += [node.name for node in nodes if any(node.attr[a].b for a in xla_attrs if a in node.attr)
+               or node.op.startswith(("Xla", "_Xla"))]
+    assert marked == []
+    inventory = json.loads(pathlib.Path(TF_TEXT_OPS).read_text(encoding="utf-8"))
+    assert inventory["tensorflow_text"] == "2.20.0"
+    foreign = {}
+    for node in nodes:
+        if node.op not in function_names and not hasattr(tf.raw_ops, node.op):
+            foreign.setdefault(node.op, set()).update(a for a in node.attr if not a.startswith("_"))
+    assert foreign, "the serving graph has no tf-text op: is the tokenizer still in the graph?"
+    for op, attrs in foreign.items():
+        assert op in inventory["ops"], f"{op} is not a tf-text 2.20.0 op"
+        assert attrs <= set(inventory["ops"][op]["spelled"]), (op, attrs)
 
 
 def test_saved_model_cli_shows_the_three_signatures(exported):
