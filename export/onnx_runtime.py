@@ -129,8 +129,10 @@ class SplitBeamSearch:
             log_probs = outputs["log_probs"].reshape(batch, beam, -1)
             vocab = log_probs.shape[-1]
             is_last = (step >= limits - 1)[:, None, None]
-            not_eos = np.arange(vocab) != eos
-            log_probs = np.where(np.logical_and(is_last, not_eos), NEG_INF, log_probs)
+            ids = np.arange(vocab)
+            never = np.logical_or(ids == pad, ids == config["bos_id"])  # as decoding._Setup.constrain
+            log_probs = np.where(np.logical_or(never, np.logical_and(is_last, ids != eos)), NEG_INF,
+                                 log_probs)
             candidates = (alive_log_probs[:, :, None] + log_probs).reshape(batch, -1)
             top_index = _top_k(candidates, beam)
             top_log_probs = np.take_along_axis(candidates, top_index, axis=1)

@@ -297,7 +297,9 @@ def _train_parser(commands):
                        help="override a TransformerConfig field, e.g. --set dropout_rate=0.3")
     train.add_argument("--out", required=True, help="the run directory")
     train.add_argument("--epochs", type=_positive_int, default=10)
-    train.add_argument("--vocab-size", type=_positive_int, default=8000)
+    train.add_argument("--vocab-size", type=_positive_int,
+                       help="shared SentencePiece vocabulary (default 8000, or as many pieces as "
+                            "the corpus supports if fewer)")
     train.add_argument("--batch-tokens", type=_positive_int, default=4096,
                        help="tokens per batch (the paper: ~25000)")
     train.add_argument("--max-length", type=_positive_int,

@@ -159,18 +159,24 @@ class _Setup:
             limits = ops.full((self.batch,), max_length, "int32")
             self.max_len = min(max_length, config.max_length)
         self.limits = ops.clip(limits, 1, config.max_length)  # (batch,) tokens incl. EOS
-        self.is_eos = ops.equal(ops.arange(config.target_vocab), config.eos_id)  # (vocab,)
+        ids = ops.arange(config.target_vocab)
+        self.is_eos = ops.equal(ids, config.eos_id)  # (vocab,)
         self.not_eos = ops.logical_not(self.is_eos)
+        # Padding and BOS are never outputs: a generated pad would also make cached
+        # decoding (no target padding mask) differ from a full forward pass.
+        self.never = ops.logical_or(ops.equal(ids, config.pad_id), ops.equal(ids, config.bos_id))
 
     def constrain(self, log_probs, step):
-        """Applies the length limits to one step's log-probabilities.
+        """Applies the output rules to one step's log-probabilities.
 
-        EOS is impossible before `min_length` tokens, and the only possibility
-        at a sentence's last allowed step. log_probs: `(batch, vocab)` or
-        `(batch, beam, vocab)`.
+        Pad and BOS are impossible; EOS is impossible before `min_length`
+        tokens, and the only possibility at a sentence's last allowed step.
+        The other log-probabilities are not renormalized (as fairseq does).
+        log_probs: `(batch, vocab)` or `(batch, beam, vocab)`.
         """
         last = ops.greater_equal(step, self.limits - 1)  # (batch,)
         last = ops.reshape(last, (-1,) + (1,) * (len(log_probs.shape) - 1))
+        log_probs = ops.where(self.never, NEG_INF, log_probs)
         if self.min_length > 1:
             too_early = ops.logical_and(self.is_eos, step < self.min_length - 1)
             log_probs = ops.where(too_early, NEG_INF, log_probs)

@@ -76,7 +76,7 @@ class Tokenizer:
 
     @classmethod
     def train(cls, texts, vocab_size, path=None, model_type="bpe", character_coverage=1.0,
-              max_sentences=2_000_000):
+              max_sentences=2_000_000, cap_to_corpus=False):
         """Trains a vocabulary of `vocab_size` pieces on an iterable of strings.
 
         Args:
@@ -87,6 +87,9 @@ class Tokenizer:
             character_coverage: share of characters kept as pieces (1.0: all;
                 the rest go through byte fallback).
             max_sentences: at most this many sentences are sampled for training.
+            cap_to_corpus: when the corpus supports fewer than `vocab_size`
+                pieces, build as many as it supports instead of raising (a
+                default size on a small corpus); `vocab_size` tells the result.
 
         Raises:
             ValueError: empty corpus, or a vocabulary the corpus cannot support.
@@ -97,17 +100,21 @@ class Tokenizer:
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 8:
             raise UserError(f"vocab_size must be an integer >= 8; got {vocab_size!r}.")
         model = io.BytesIO()
+        arguments = dict(sentence_iterator=iter(sentences), model_writer=model,
+                         model_type=model_type, character_coverage=character_coverage,
+                         pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
+                         byte_fallback=True, normalization_rule_name="nfkc",
+                         input_sentence_size=max_sentences, shuffle_input_sentence=True,
+                         num_threads=os.cpu_count() or 1, minloglevel=2)
         try:
-            sentencepiece.SentencePieceTrainer.train(
-                sentence_iterator=iter(sentences), model_writer=model, vocab_size=vocab_size,
-                model_type=model_type, character_coverage=character_coverage,
-                pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
-                byte_fallback=True, normalization_rule_name="nfkc",
-                input_sentence_size=max_sentences, shuffle_input_sentence=True,
-                num_threads=os.cpu_count() or 1, minloglevel=2,
-            )
+            sentencepiece.SentencePieceTrainer.train(vocab_size=vocab_size, **arguments)
         except RuntimeError as error:
-            raise UserError(_training_error_message(str(error), vocab_size)) from None
+            most = _TRAINING_ERRORS[0][0].search(str(error))
+            if not (cap_to_corpus and most and int(most.group(1)) >= 8):
+                raise UserError(_training_error_message(str(error), vocab_size)) from None
+            model = arguments["model_writer"] = io.BytesIO()
+            arguments["sentence_iterator"] = iter(sentences)
+            sentencepiece.SentencePieceTrainer.train(vocab_size=int(most.group(1)), **arguments)
         tokenizer = cls(model.getvalue())
         if path is not None:
             tokenizer.save(path)

@@ -56,7 +56,7 @@ class TrainingOptions:
     target_lang: str = "de"
     preset: str = "small"
     overrides: dict = dataclasses.field(default_factory=dict)
-    vocab_size: int = 8000
+    vocab_size: int = None  # default: DEFAULT_VOCAB_SIZE, capped to what the corpus supports
     epochs: int = 10
     batch_tokens: int = 4096
     max_length: int = None  # of training pairs; default: the model's max_length
@@ -185,7 +185,7 @@ def _train(run, options, callbacks, log):
     if stored is not None:
         tokenizer = run.tokenizer()
     else:
-        tokenizer = Tokenizer.train(train_pairs[0] + train_pairs[1], options.vocab_size)
+        tokenizer = _train_tokenizer(train_pairs, options.vocab_size, log)
     config = _model_config(options, tokenizer.vocab_size)
     max_length = min(options.max_length or config.max_length, config.max_length)
     batches = TokenizedPairs(*train_pairs, tokenizer, options.batch_tokens, max_length,
@@ -311,6 +311,21 @@ def _distribute(dataset, workers):
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
     return dataset.with_options(options)
+
+
+DEFAULT_VOCAB_SIZE = 8000
+
+
+def _train_tokenizer(train_pairs, vocab_size, log):
+    """The shared vocabulary; an explicit size the corpus cannot support is an error, the default is capped."""
+    texts = train_pairs[0] + train_pairs[1]
+    if vocab_size is not None:
+        return Tokenizer.train(texts, vocab_size)
+    tokenizer = Tokenizer.train(texts, DEFAULT_VOCAB_SIZE, cap_to_corpus=True)
+    if tokenizer.vocab_size < DEFAULT_VOCAB_SIZE:
+        log(f"Vocabulary: {tokenizer.vocab_size} pieces, the most this corpus supports (the default "
+            f"is {DEFAULT_VOCAB_SIZE}; --vocab-size sets it).")
+    return tokenizer
 
 
 def _train_and_validation(corpus, log):

@@ -156,6 +156,25 @@ def test_outputs_end_with_eos_within_the_length_limit():
         assert result.ids.shape[-1] == 5 + 3
 
 
+def test_pad_and_bos_are_never_generated_even_when_the_model_prefers_them():
+    """An output bias of +50 on pad and BOS: without the rule, greedy and beam emit them, and a
+    generated pad makes cached decoding (no target padding mask) differ from uncached."""
+    model = kt.Transformer.from_preset("tiny", vocab_size=30, tie_output=False)
+    model.build()
+    bias = np.asarray(model.output_projection.bias).copy()
+    bias[[model.config.pad_id, model.config.bos_id]] = 50.0
+    model.output_projection.bias.assign(bias)
+    sources = np.array([[5, 6, 7, 3, 0], [5, 6, 7, 8, 3]], "int32")
+    for search in (lambda **kw: kt.greedy_search(model, sources, max_extra_length=4, **kw),
+                   lambda **kw: kt.beam_search(model, sources, beam_size=3, max_extra_length=4, **kw)):
+        cached, uncached = search(), search(use_cache=False)
+        np.testing.assert_array_equal(cached.ids, uncached.ids)
+        np.testing.assert_allclose(cached.scores, uncached.scores, atol=1e-4)
+        for hypothesis in _strip(cached.ids):
+            assert hypothesis[-1] == 3 and not {0, 2} & set(hypothesis), hypothesis
+        assert np.all(np.isfinite(cached.scores))
+
+
 def test_empty_batch_gives_empty_results():
     model = kt.Transformer.from_preset("tiny", vocab_size=30)
     empty = np.zeros((0, 5), "int32")

@@ -101,3 +101,21 @@ def test_survives_reseeding_tensorflow(tokenizer):
 def test_vocabulary_too_small_for_the_characters_is_reported():
     with pytest.raises(ValueError, match=r"vocab_size=100 is too small for this corpus: it needs at least \d+"):
         Tokenizer.train(["abcdefghij klmnopqrst"] * 10, vocab_size=100)
+
+
+def test_default_vocabulary_is_capped_to_the_built_in_corpus_but_an_explicit_one_is_not():
+    """`train --data synthetic` with the defaults works (the corpus supports fewer than 8000
+    pieces); an explicit `--vocab-size` that is too large stays an error."""
+    from keras_transformer.data import load_corpus
+    from keras_transformer.trainer import _train_and_validation, _train_tokenizer
+    from keras_transformer.validation import UserError
+
+    lines = []
+    pairs, _ = _train_and_validation(load_corpus("synthetic", None, "en", "de"), lines.append)
+    tokenizer = _train_tokenizer(pairs, None, lines.append)
+    assert 8 <= tokenizer.vocab_size < 8000
+    assert lines[-1] == (f"Vocabulary: {tokenizer.vocab_size} pieces, the most this corpus supports "
+                         f"(the default is 8000; --vocab-size sets it).")
+    with pytest.raises(UserError, match=r"^vocab_size=8000 is too large for this corpus: "
+                                        rf"SentencePiece can build at most {tokenizer.vocab_size} "):
+        _train_tokenizer(pairs, 8000, lines.append)
