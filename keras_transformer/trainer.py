@@ -359,7 +359,10 @@ def _jsonable(options):
 
 def _check_same_run(stored, options):
     current = _jsonable(options)
-    changed = [key for key in RUN_DEFINING if stored.get(key) != current.get(key)]
+    # No --vocab-size: the stored vocabulary is reused whatever its size (runs made
+    # before the default became "8000, capped to the corpus" stored 8000).
+    changed = [key for key in RUN_DEFINING if stored.get(key) != current.get(key)
+               and not (key == "vocab_size" and current.get(key) is None)]
     if changed:
         details = ", ".join(f"{key}: {stored.get(key)!r} -> {current.get(key)!r}" for key in changed)
         raise UserError(f"--resume with different settings than the stored run ({details}); "

@@ -182,3 +182,13 @@ def test_grad_accum_and_mixed_precision_train_through_the_trainer(corpus_files, 
 
     model = keras.saving.load_model(str(tmp_path / "run" / "model.keras"), compile=False)
     assert all(w.dtype == "float32" for w in model.weights)  # variables stay float32
+
+
+def test_resume_without_vocab_size_accepts_the_stored_vocabulary():
+    from keras_transformer.trainer import _check_same_run, _jsonable
+    from keras_transformer.validation import UserError
+
+    stored = _jsonable(TrainingOptions(out="r", vocab_size=8000))
+    _check_same_run(stored, TrainingOptions(out="r"))  # the default: whatever was stored
+    with pytest.raises(UserError, match=r"vocab_size: 8000 -> 4000"):
+        _check_same_run(stored, TrainingOptions(out="r", vocab_size=4000))
