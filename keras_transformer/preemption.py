@@ -30,9 +30,10 @@ class StopSignals:
     """While active (a context manager), SIGTERM and SIGINT request a stop instead of killing.
 
     `requested` holds the first signal's name (None before). A second signal
-    restores the default handler and is delivered again, which stops the
-    process at once. Outside the main thread Python cannot install signal
-    handlers; there the context does nothing.
+    restores the handler that was there before and is delivered again: SIGTERM's
+    default stops the process at once, SIGINT's raises `KeyboardInterrupt`.
+    Outside the main thread Python cannot install signal handlers; there the
+    context does nothing.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -54,7 +55,8 @@ class StopSignals:
     def _handle(self, number, frame):
         name = signal.Signals(number).name
         if self.requested:
-            signal.signal(number, signal.SIG_DFL)
+            previous = self._previous.pop(number, signal.SIG_DFL)
+            signal.signal(number, previous if previous is not None else signal.SIG_DFL)
             signal.raise_signal(number)
             return
         self.requested = name

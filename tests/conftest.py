@@ -83,3 +83,14 @@ def trained_run(tmp_path_factory, synthetic_files):
                        "--vocab-size", "300", "--batch-tokens", "1024", "--warmup-steps", "50"])
     assert status == 0
     return out
+
+
+@pytest.fixture(scope="session")
+def small_corpus(synthetic_files, tmp_path_factory):
+    """`files:SRC,TGT` of the first 320 synthetic pairs (304 train, 16 held out): short epochs
+    (about 25 batches of 1024 tokens) for the tests that train whole runs."""
+    directory = tmp_path_factory.mktemp("small-corpus")
+    for path in synthetic_files:
+        lines = path.read_text(encoding="utf-8").splitlines()[:320]
+        (directory / path.name).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return "files:{},{}".format(*(directory / path.name for path in synthetic_files))

@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import keras
@@ -16,10 +17,10 @@ import numpy as np
 import pytest
 
 from keras_transformer import cli
-from keras_transformer.checkpoints import Snapshot, state_snapshots
+from keras_transformer.checkpoints import CorruptCheckpoint, Snapshot, state_snapshots
 from keras_transformer.files import StorageError
 from keras_transformer.locking import DirectoryBusy, WriterLock
-from keras_transformer.preemption import EXIT_PREEMPTED
+from keras_transformer.preemption import EXIT_PREEMPTED, StopSignals
 from keras_transformer.trainer import TrainingOptions, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -28,8 +29,8 @@ TINY = ["--preset", "tiny", "--vocab-size", "300", "--batch-tokens", "1024", "--
 
 
 @pytest.fixture(scope="module")
-def data(synthetic_files):
-    return "files:{},{}".format(*synthetic_files)
+def data(small_corpus):
+    return small_corpus
 
 
 def _options(data, out, **extra):
@@ -130,7 +131,7 @@ def test_a_full_disk_stops_the_run_with_one_line_and_the_state_intact(data, tmp_
 
     monkeypatch.setattr(os, "fsync", fsync)
     status = cli.main(["train", "--data", data, "--out", str(out), *TINY, "--epochs", "1",
-                       "--save-every-steps", "10"])
+                       "--save-every-steps", "5"])
     monkeypatch.undo()
     assert status == 1
     lines = _our_lines(capsys.readouterr().err)
@@ -138,8 +139,8 @@ def test_a_full_disk_stops_the_run_with_one_line_and_the_state_intact(data, tmp_
         f"keras-transformer: error: no space left on device while saving {out / 'state'}/state-")
     assert lines[0].endswith("; free space and run the same command with --resume.")
     assert _partial_files(out) == []
-    (newest,) = state_snapshots(out / "state")  # the step-10 state, complete and loadable
-    assert (newest.epoch, newest.step) == (0, 10)
+    (newest,) = state_snapshots(out / "state")  # the step-5 state, complete and loadable
+    assert (newest.epoch, newest.step) == (0, 5)
     newest.load_into(_tiny_model(out))  # (resuming from a state: the tests below)
 
 
@@ -182,6 +183,14 @@ def test_a_real_full_disk_exits_1_without_a_crash(data, tmp_path):
     snapshots[0].load_into(model)  # the last complete state loads
 
 
+def _tiny_model_of_size(vocab_size=40):
+    import keras_transformer as kt
+
+    model = kt.Transformer.from_preset("tiny", vocab_size=vocab_size)
+    model.build()
+    return model
+
+
 def _tiny_model(run):
     """A compiled model of the run's config, as `train` builds it (for loading states into)."""
     import keras_transformer as kt
@@ -194,90 +203,88 @@ def _tiny_model(run):
 
 
 # ------------------------------------------------------------------ preemption
-class _SendSignal(keras.callbacks.Callback):
-    def __init__(self, number, epoch, batch):
-        super().__init__()
-        self.number, self.at, self.epoch = number, (epoch, batch), 0
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
-
-    def on_train_batch_end(self, batch, logs=None):
-        if (self.epoch, batch) == self.at:
-            signal.raise_signal(self.number)
-
-
-def test_sigterm_mid_epoch_then_resume_equals_an_uninterrupted_run(data, tmp_path):
-    """Same seed: the resumed run ends with the uninterrupted run's weights (to 1e-6; dropout on,
-    its RNG state resumed too), optimizer step count and validation metrics."""
-    reference = train(_options(data, tmp_path / "reference", save_every_steps=7), log=_quiet)
-    out = tmp_path / "run"
-    lines = []
-    stopped = train(_options(data, out, save_every_steps=7),
-                    callbacks=[_SendSignal(signal.SIGTERM, epoch=0, batch=19)], log=lines.append)
-    assert stopped.status == "preempted"
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is removed again
-    assert lines[-2].startswith("Received SIGTERM: stopping after the current step")
-    assert lines[-1].startswith("Training stopped by SIGTERM at epoch 1, step 20;")
-    metrics = json.loads((out / "metrics.json").read_text())
-    assert metrics["status"] == "preempted" and metrics["epochs"] == []
-    assert metrics["preempted_at"] == {"epoch": 1, "step": 20, "signal": "SIGTERM"}
-    state = json.loads((out / "state" / "state.json").read_text())
-    assert (state["epoch"], state["step"]) == (0, 20)  # saved at the step boundary, not at step 14
-    assert not (out / "model.keras").exists()
-
-    resumed = train(_options(data, out, save_every_steps=7, resume=True), log=lines.append)
-    assert resumed.status == "finished"
-    assert any(line.startswith("Resuming from") and line.endswith("epoch 1, step 20.") for line in lines)
-    for ours, theirs in zip(_weights(out / "model.keras"), _weights(tmp_path / "reference" / "model.keras")):
-        np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-6)
-    ours, theirs = (json.loads((d / "metrics.json").read_text())["epochs"][-1]
-                    for d in (out, tmp_path / "reference"))
-    assert ours["resumed_at_step"] == 20 and ours["optimizer_steps"] == theirs["optimizer_steps"]
-    for key in ("val_loss", "val_token_accuracy"):  # the training loss covers the resumed part only
-        assert ours[key] == pytest.approx(theirs[key], rel=1e-5), key
-    assert reference.status == "finished"
-
-
-def test_sigint_to_the_cli_saves_the_state_and_exits_75(data, tmp_path):
-    out = tmp_path / "run"
-    command = [sys.executable, "-m", "keras_transformer.cli", "train", "--data", data, "--out",
-               str(out), *TINY, "--epochs", "2", "--save-every-steps", "3"]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env=_env())
-    state_path = out / "state" / "state.json"
-    deadline = time.monotonic() + 600
-    try:
-        while time.monotonic() < deadline and process.poll() is None:
-            try:
-                if json.loads(state_path.read_text())["step"] >= 3:
-                    break
-            except (OSError, ValueError, KeyError):
-                pass
-            time.sleep(0.2)
-        process.send_signal(signal.SIGINT)
-        stdout, stderr = process.communicate(timeout=300)
-    finally:
-        process.kill()
-    assert process.returncode == EXIT_PREEMPTED, stdout[-2000:] + stderr[-2000:]
-    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
-    assert "Received SIGINT" in stdout and "Run the same command with --resume" in stdout
-    metrics = json.loads((out / "metrics.json").read_text())
-    state = json.loads(state_path.read_text())
-    assert metrics["status"] == "preempted"
-    assert metrics["preempted_at"]["step"] == state["step"] and state["step"] > 3
-    assert _partial_files(out) == []
-
-
-# ------------------------------------------------------------------ corrupt files
 @pytest.fixture(scope="module")
-def one_epoch_run(data, tmp_path_factory):
-    """One finished epoch: states at (0, 50) and (1, 0), checkpoint epoch-0001."""
-    out = tmp_path_factory.mktemp("corrupt") / "run"
-    assert train(_options(data, out, save_every_steps=50), log=_quiet).status == "finished"
+def finished_run(data, tmp_path_factory):
+    """One uninterrupted epoch, state saved every 4 steps: the end-of-epoch state (1, 0), the one
+    before it (0, 4k) and checkpoint epoch-0001. The reference of the preemption test and the base of the corrupt-file
+    tests (which damage copies)."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    assert train(_options(data, out, save_every_steps=4), log=_quiet).status == "finished"
     return out
 
 
+def _signal_when(predicate, number, seconds=300):
+    """Sends `number` to this process (from another thread, as a scheduler would) once `predicate()`."""
+    def watch():
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if predicate():
+                os.kill(os.getpid(), number)
+                return
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_sigterm_mid_epoch_then_resume_equals_an_uninterrupted_run(data, finished_run, tmp_path,
+                                                                   capsys):
+    """SIGTERM while `keras-transformer train` runs: exit 75 with the state saved at a step
+    boundary; the same command with --resume ends with the uninterrupted run's weights (to 1e-6;
+    dropout is on, its RNG state is resumed too), optimizer step count and validation metrics."""
+    out = tmp_path / "run"
+    command = ["train", "--data", data, "--out", str(out), *TINY, "--epochs", "1",
+               "--save-every-steps", "4", "--resume"]
+
+    def mid_epoch():
+        try:
+            return json.loads((out / "state" / "state.json").read_text())["step"] >= 4
+        except (OSError, ValueError, KeyError):
+            return False
+
+    watcher = _signal_when(mid_epoch, signal.SIGTERM)
+    assert cli.main(command) == EXIT_PREEMPTED
+    watcher.join()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is removed again
+    printed = capsys.readouterr()
+    metrics = json.loads((out / "metrics.json").read_text())
+    state = json.loads((out / "state" / "state.json").read_text())
+    step = state["step"]
+    assert metrics["status"] == "preempted" and metrics["epochs"] == []
+    assert metrics["preempted_at"] == {"epoch": 1, "step": step, "signal": "SIGTERM"}
+    assert state["epoch"] == 0 and 4 < step < metrics["batches_per_epoch"]  # a step boundary, mid-epoch
+    lines = printed.out.splitlines()
+    assert "Received SIGTERM: stopping after the current step and saving the state" in lines[-2]
+    assert lines[-1].startswith(f"Training stopped by SIGTERM at epoch 1, step {step};")
+    assert lines[-1].endswith("Run the same command with --resume to continue.")
+    assert "Traceback" not in printed.err and not (out / "model.keras").exists()
+    assert _partial_files(out) == []
+
+    assert cli.main(command) == 0
+    assert f"epoch 1, step {step}." in capsys.readouterr().out
+    for ours, theirs in zip(_weights(out / "model.keras"), _weights(finished_run / "model.keras")):
+        np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-6)
+    ours, theirs = (json.loads((d / "metrics.json").read_text())["epochs"][-1]
+                    for d in (out, finished_run))
+    assert ours["resumed_at_step"] == step and ours["optimizer_steps"] == theirs["optimizer_steps"]
+    for key in ("val_loss", "val_token_accuracy"):  # the training loss covers the resumed part only
+        assert ours[key] == pytest.approx(theirs[key], rel=1e-5), key
+
+
+def test_sigint_is_a_stop_request_and_a_second_one_interrupts():
+    lines = []
+    with StopSignals(lines.append) as signals:
+        signal.raise_signal(signal.SIGINT)
+        assert signals.requested == "SIGINT" and lines == [
+            "Received SIGINT: stopping after the current step and saving the state (send it "
+            "again to stop at once)."]
+        with pytest.raises(KeyboardInterrupt):  # Python's own SIGINT handler again
+            signal.raise_signal(signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+# ------------------------------------------------------------------ corrupt files
 def _damage(path, how):
     if how == "truncate":
         size = path.stat().st_size
@@ -294,16 +301,14 @@ def _damage(path, how):
 @pytest.mark.parametrize("damage, expected_warnings, resumed_at", [
     # The epoch-1 checkpoint is as new as the end-of-epoch state.
     ({"newest": "truncate"}, ["checksum mismatch"], "epoch 2, step 0."),
-    ({"newest": "truncate", "checkpoint": "empty"}, ["checksum mismatch", "empty (0 bytes)"],
-     "epoch 1, step 50."),
     # state.json lost: the states are found by their names (no checksum, so the load tells).
-    ({"state.json": "empty", "newest": "empty", "checkpoint": "flip"},
-     ["empty (0 bytes)", "checksum mismatch"], "epoch 1, step 50."),
+    ({"state.json": "empty", "newest": "truncate", "checkpoint": "empty"},
+     ["does not load", "empty (0 bytes)"], "the previous state"),
 ])
-def test_resume_skips_a_corrupt_state_with_one_line(one_epoch_run, data, tmp_path, damage,
+def test_resume_skips_a_corrupt_state_with_one_line(finished_run, data, tmp_path, damage,
                                                     expected_warnings, resumed_at):
     out = tmp_path / "run"
-    shutil.copytree(one_epoch_run, out)
+    shutil.copytree(finished_run, out)
     state = json.loads((out / "state" / "state.json").read_text())
     files = {"newest": out / "state" / state["weights"],
              "previous": out / "state" / state["previous"]["weights"],
@@ -312,12 +317,14 @@ def test_resume_skips_a_corrupt_state_with_one_line(one_epoch_run, data, tmp_pat
     for name, how in damage.items():
         _damage(files[name], how)
     lines = []
-    result = train(_options(data, out, save_every_steps=50, resume=True), log=lines.append)
+    result = train(_options(data, out, save_every_steps=4, resume=True), log=lines.append)
     assert result.status == "finished"
     warnings = [line for line in lines if line.startswith("keras-transformer: warning:")]
     assert len(warnings) == len(expected_warnings)
     for line, reason in zip(warnings, expected_warnings):
         assert reason in line and "is corrupt" in line and "\n" not in line
+    if resumed_at == "the previous state":
+        resumed_at = f"epoch 1, step {state['previous']['step']}."
     assert [line for line in lines if line.startswith("Resuming from")][0].endswith(resumed_at)
 
 
@@ -325,6 +332,7 @@ def test_resume_skips_a_corrupt_state_with_one_line(one_epoch_run, data, tmp_pat
 def test_average_refuses_a_corrupt_checkpoint(trained_run, tmp_path, capsys, how):
     run = tmp_path / "run"
     shutil.copytree(trained_run, run)
+    (run / "averaged.keras").unlink(missing_ok=True)  # another test may have averaged the run
     _damage(run / "checkpoints" / "epoch-0002.weights.h5", how)
     assert cli.main(["average", "--model", str(run), "--last", "3"]) == 2
     (line,) = _our_lines(capsys.readouterr().err)
@@ -351,5 +359,7 @@ def test_snapshot_problems_are_named(tmp_path):
     assert Snapshot(str(path), 0, 0).problem() == "empty (0 bytes)"
     path.write_bytes(b"abc")
     assert Snapshot(str(path), 0, 0, sha256="0" * 64).problem().startswith("checksum mismatch")
+    with pytest.raises(CorruptCheckpoint, match=r"x\.weights\.h5 is corrupt \(does not load: "):
+        Snapshot(str(path), 0, 0).load_into(_tiny_model_of_size())
     with pytest.raises(StorageError, match="^no space left on device while saving /x$"):
         raise StorageError("/x", OSError(errno.ENOSPC, "No space left on device"))

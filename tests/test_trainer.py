@@ -19,8 +19,8 @@ TINY = ["--preset", "tiny", "--vocab-size", "300", "--batch-tokens", "512", "--w
 
 
 @pytest.fixture(scope="module")
-def corpus_files(synthetic_files):
-    return "files:{},{}".format(*synthetic_files)
+def corpus_files(small_corpus):
+    return small_corpus
 
 
 def _command(data, out, *extra):
