@@ -400,6 +400,9 @@ def main(argv=None):
     except StorageError as error:
         print(f"keras-transformer: error: {error}; {error.hint}.", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # a second Ctrl-C while `train` was stopping, or any Ctrl-C elsewhere
+        print("keras-transformer: interrupted; the last saved state is intact.", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

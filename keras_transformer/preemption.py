@@ -32,8 +32,9 @@ class StopSignals:
     `requested` holds the first signal's name (None before). A second signal
     restores the handler that was there before and is delivered again: SIGTERM's
     default stops the process at once, SIGINT's raises `KeyboardInterrupt`.
-    Outside the main thread Python cannot install signal handlers; there the
-    context does nothing.
+    A signal the process ignores (SIGINT in a background job of a
+    non-interactive shell, `nohup`) stays ignored. Outside the main thread
+    Python cannot install signal handlers; there the context does nothing.
     """
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -44,7 +45,8 @@ class StopSignals:
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
             for number in self.SIGNALS:
-                self._previous[number] = signal.signal(number, self._handle)
+                if signal.getsignal(number) is not signal.SIG_IGN:
+                    self._previous[number] = signal.signal(number, self._handle)
         return self
 
     def __exit__(self, *exc_info):

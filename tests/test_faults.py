@@ -273,15 +273,25 @@ def test_sigterm_mid_epoch_then_resume_equals_an_uninterrupted_run(data, finishe
 
 
 def test_sigint_is_a_stop_request_and_a_second_one_interrupts():
-    lines = []
-    with StopSignals(lines.append) as signals:
-        signal.raise_signal(signal.SIGINT)
-        assert signals.requested == "SIGINT" and lines == [
-            "Received SIGINT: stopping after the current step and saving the state (send it "
-            "again to stop at once)."]
-        with pytest.raises(KeyboardInterrupt):  # Python's own SIGINT handler again
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
+    try:
+        lines = []
+        with StopSignals(lines.append) as signals:
             signal.raise_signal(signal.SIGINT)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+            assert signals.requested == "SIGINT" and lines == [
+                "Received SIGINT: stopping after the current step and saving the state (send it "
+                "again to stop at once)."]
+            with pytest.raises(KeyboardInterrupt):  # Python's own SIGINT handler again
+                signal.raise_signal(signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        # An ignored SIGINT (a background job, nohup) stays ignored.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        with StopSignals(lines.append) as signals:
+            signal.raise_signal(signal.SIGINT)
+            assert signals.requested is None
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, inherited)
 
 
 # ------------------------------------------------------------------ corrupt files
