@@ -190,15 +190,6 @@ class TrainingState(keras.callbacks.Callback):
         self.directory, self.save_every, self.first_step = directory, save_every, first_step
         self.epoch = 0
 
-    @staticmethod
-    def load(directory):
-        """The saved state as a dict (paths made absolute), or None when there is none."""
-        state = _read_json(os.path.join(directory, "state.json"))
-        if state is None:
-            return None
-        state["weights"] = os.path.join(directory, state["weights"])
-        return state
-
     def on_epoch_begin(self, epoch, logs=None):
         self.epoch = epoch
 
