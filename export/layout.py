@@ -19,6 +19,7 @@ refused with the first one's pid.
 """
 
 import contextlib
+import errno
 import os
 import re
 import shutil
@@ -103,7 +104,7 @@ def atomic_directory(path, overwrite=False):
         # TensorFlow's writers raise their own error types; the message tells a full disk.
         if isinstance(error, OSError) or "No space left on device" in str(error):
             raise StorageError(path, error if isinstance(error, OSError) else
-                               OSError(28, "No space left on device")) from error
+                               OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))) from error
         raise
     finally:
         if os.path.exists(temporary):

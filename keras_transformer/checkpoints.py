@@ -48,19 +48,23 @@ def atomic_save_weights(model, path):
     return sha256_of(data)
 
 
+def _generator_states(model):
+    """The state variables of `model`'s random generators: `model.variables` that are not weights."""
+    weights = {id(w) for w in model.weights}
+    return [v for v in model.variables if id(v) not in weights]
+
+
 def random_state(model):
     """The states of `model`'s random generators (dropout), as lists of ints.
 
     They are not weights (Keras does not save them), but a resumed run needs
     them to draw the dropout masks an uninterrupted run would have drawn.
     """
-    weights = {id(w) for w in model.weights}
-    return [keras.ops.convert_to_numpy(v).tolist() for v in model.variables if id(v) not in weights]
+    return [keras.ops.convert_to_numpy(v).tolist() for v in _generator_states(model)]
 
 
 def set_random_state(model, values):
-    weights = {id(w) for w in model.weights}
-    generators = [v for v in model.variables if id(v) not in weights]
+    generators = _generator_states(model)
     if values is None or len(values) != len(generators):
         return  # an older file without RNG state: resume with fresh generators
     for variable, value in zip(generators, values):
