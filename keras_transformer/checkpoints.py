@@ -75,7 +75,7 @@ def weights_are_finite(model):
     return all(np.all(np.isfinite(keras.ops.convert_to_numpy(w))) for w in model.weights)
 
 
-def _finite(logs):
+def logs_are_finite(logs):
     return logs is None or "loss" not in logs or bool(np.isfinite(logs["loss"]))
 
 
@@ -145,7 +145,7 @@ class EpochCheckpoints(keras.callbacks.Callback):
         self.directory, self.keep = directory, keep
 
     def on_epoch_end(self, epoch, logs=None):
-        if not _finite(logs) or not weights_are_finite(self.model):
+        if not logs_are_finite(logs) or not weights_are_finite(self.model):
             return
         name = f"epoch-{epoch + 1:04d}.weights.h5"
         sha = atomic_save_weights(self.model, os.path.join(self.directory, name))
@@ -199,12 +199,12 @@ class TrainingState(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         step = self.first_step + batch + 1
-        if self.save_every and step % self.save_every == 0 and _finite(logs):
+        if self.save_every and step % self.save_every == 0 and logs_are_finite(logs):
             self.save(self.epoch, step)
 
     def on_epoch_end(self, epoch, logs=None):
         self.first_step = 0
-        if _finite(logs):
+        if logs_are_finite(logs):
             self.save(epoch + 1, 0)
 
     def save(self, epoch, step):

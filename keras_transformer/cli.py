@@ -54,9 +54,11 @@ def _train(args):
         target_lang=args.target_lang, preset=args.preset, overrides=dict(args.set),
         vocab_size=args.vocab_size, epochs=args.epochs, batch_tokens=args.batch_tokens,
         max_length=args.max_length, warmup_steps=args.warmup_steps,
-        learning_rate_scale=args.learning_rate_scale, label_smoothing=args.label_smoothing,
+        learning_rate_scale=args.learning_rate_scale, learning_rate=args.learning_rate,
+        clip_norm=args.clip_norm, label_smoothing=args.label_smoothing,
         strategy=args.strategy, mixed_precision=args.mixed_precision, xla=args.xla,
         grad_accum=args.grad_accum, max_minutes=args.max_minutes, keep_checkpoints=args.keep_checkpoints,
+        average_last=args.average_last, val_bleu=args.val_bleu,
         save_every_steps=args.save_every_steps, resume=args.resume, overwrite=args.overwrite,
         seed=args.seed)
     result = train(options)
@@ -135,7 +137,8 @@ def _evaluate(args):
     progress = _Progress(len(sources))
     hypotheses, _ = translator.translate(sources, progress)
     progress.close()
-    scores = score_translations(hypotheses, references)
+    seconds = time.perf_counter() - progress.start
+    scores = score_translations(hypotheses, references, target_lang)
     name = f"{args.data.split(':')[0]}-{args.split}"
     output = args.output or str(run.path / f"translations-{name}.txt")
     atomic_write(output, "".join(f"{line}\n" for line in hypotheses))
@@ -143,9 +146,13 @@ def _evaluate(args):
         "model": str(args.model), "data": args.data, "split": args.split, "sentences": len(sources),
         "beam_size": args.beam_size, "length_penalty": args.length_penalty,
         "bleu": scores.bleu, "bleu_signature": scores.bleu_signature,
-        "chrf": scores.chrf, "chrf_signature": scores.chrf_signature})
+        "chrf": scores.chrf, "chrf_signature": scores.chrf_signature,
+        "paper_bleu": scores.paper_bleu, "paper_signature": scores.paper_signature,
+        "seconds": round(seconds, 1)})
+    missing = "" if scores.paper_bleu is not None else (
+        "\n(The paper metric needs sacremoses: pip install sacremoses.)")
     print(f"{args.data} {args.split} ({len(sources)} sentences, beam {args.beam_size}, "
-          f"alpha {args.length_penalty}):\n{scores}\nTranslations: {output}")
+          f"alpha {args.length_penalty}):\n{scores}{missing}\nTranslations: {output}")
     return 0
 
 
@@ -196,37 +203,13 @@ def _write_export(args, graphs, name):
 
 
 def _average(args):
-    from keras_transformer.run_directory import RunDirectory
+    from keras_transformer.run_directory import RunDirectory, average_last_checkpoints
 
     run = RunDirectory(args.model)
-    settings = run.settings()
+    run.settings()  # a run directory, or one line saying what is wrong
     with run.lock:  # not while `train` writes the checkpoints
-        return _average_into(args, run, settings)
-
-
-def _average_into(args, run, settings):
-    from keras_transformer.checkpoints import average_checkpoints, epoch_checkpoints
-    from keras_transformer.config import TransformerConfig
-    from keras_transformer.run_directory import save_model
-    from keras_transformer.training import compile_transformer
-    from keras_transformer.transformer import Transformer
-    from keras_transformer.validation import UserError
-
-    checkpoints = epoch_checkpoints(run.checkpoints_dir)
-    if len(checkpoints) < args.last:
-        raise UserError(f"--last {args.last}, but {run.checkpoints_dir} holds {len(checkpoints)} "
-                        f"epoch checkpoint(s) (train keeps --keep-checkpoints of them).")
-    config = TransformerConfig.from_dict(settings["model"])
-    model = Transformer(config)
-    model.build()
-    compile_transformer(model, grad_accum=settings["options"].get("grad_accum", 1))
-    average_checkpoints(model, checkpoints[-args.last:])
-    averaged = Transformer(config)
-    averaged.build()
-    averaged.set_weights(model.get_weights())
-    output = args.output or str(run.averaged_path)
-    save_model(averaged, output)
-    names = ", ".join(os.path.basename(path) for path in checkpoints[-args.last:])
+        output, checkpoints = average_last_checkpoints(run, args.last, args.output)
+    names = ", ".join(os.path.basename(path) for path in checkpoints)
     print(f"Averaged {names} into {output}")
     return 0
 
@@ -251,14 +234,25 @@ def _attention(args):
     return 0
 
 
-def _positive_int(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+def _number(kind, lowest, inclusive, description):
+    """An argparse type: a finite `kind` (int or float) above `lowest` (or equal, if `inclusive`)."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not (value >= lowest if inclusive else value > lowest) \
+                or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"expected {description}, got {text!r}")
+        return value
+
+    return parse
+
+
+_positive_int = _number(int, 0, False, "a positive integer")
+_non_negative_int = _number(int, 0, True, "an integer >= 0")
+_positive_float = _number(float, 0, False, "a number > 0")
+_non_negative_float = _number(float, 0, True, "a number >= 0")
 
 
 def _setting(text):
@@ -276,7 +270,9 @@ def _add_model_arguments(parser, beam=True, batch=True):
                         help="a run directory (uses its model.keras) or a .keras file inside one")
     if beam:
         parser.add_argument("--beam-size", type=_positive_int, default=4)
-        parser.add_argument("--length-penalty", type=float, default=0.6, help="alpha (default 0.6)")
+        parser.add_argument("--length-penalty", type=_non_negative_float, default=0.6,
+                            help="alpha of the GNMT length penalty ((5 + length) / 6)^alpha "
+                                 "(default 0.6; 0: none)")
     if batch:
         parser.add_argument("--batch-size", type=_positive_int, default=64)
 
@@ -305,8 +301,16 @@ def _train_parser(commands):
     train.add_argument("--max-length", type=_positive_int,
                        help="drop training pairs longer than this (default: the model's max)")
     train.add_argument("--warmup-steps", type=_positive_int, default=4000)
-    train.add_argument("--learning-rate-scale", type=float, default=1.0)
-    train.add_argument("--label-smoothing", type=float, default=0.1)
+    train.add_argument("--learning-rate", type=_positive_float,
+                       help="peak learning rate, reached after --warmup-steps and then decayed "
+                            "with 1/sqrt(step) (default: the paper's, d_model^-0.5 "
+                            "warmup^-0.5)")
+    train.add_argument("--learning-rate-scale", type=_positive_float, default=1.0,
+                       help="a factor on the paper's schedule (instead of --learning-rate)")
+    train.add_argument("--clip-norm", type=_positive_float,
+                       help="clip each update's gradients to this global norm (default: no "
+                            "clipping)")
+    train.add_argument("--label-smoothing", type=float, default=0.1, help="in [0, 1) (default 0.1)")
     train.add_argument("--strategy", default="auto",
                        choices=("auto", "default", "mirrored", "multi-worker"))
     train.add_argument("--mixed-precision", action="store_true",
@@ -314,9 +318,15 @@ def _train_parser(commands):
     train.add_argument("--xla", action="store_true", help="compile the train step with XLA")
     train.add_argument("--grad-accum", type=_positive_int, default=1,
                        help="batches whose gradients make one update")
-    train.add_argument("--max-minutes", type=float,
+    train.add_argument("--max-minutes", type=_positive_float,
                        help="time budget: stop after the last epoch that fits in it")
     train.add_argument("--keep-checkpoints", type=_positive_int, default=5)
+    train.add_argument("--average-last", type=_positive_int, metavar="N",
+                       help="at the end, average the last N epoch checkpoints into "
+                            "RUN/averaged.keras (N <= --keep-checkpoints)")
+    train.add_argument("--val-bleu", type=_non_negative_int, default=0, metavar="N",
+                       help="after every epoch, greedy-translate the first N validation pairs and "
+                            "record their BLEU (val_bleu in metrics.json; default 0: off)")
     train.add_argument("--save-every-steps", type=_positive_int,
                        help="save the resumable state this often (default: 4 times per epoch)")
     train.add_argument("--seed", type=int, default=0)
@@ -326,10 +336,17 @@ def _train_parser(commands):
     train.set_defaults(handler=_train)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad argument in one line (no usage dump), exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def build_parser():
     from keras_transformer import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="keras-transformer",
         description="The Transformer of 'Attention Is All You Need' in Keras 3.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")

@@ -16,17 +16,27 @@ def _pyplot():
 
 
 def plot_learning_curve(epochs, path):
-    """Loss and token accuracy per epoch (train and validation) as a PNG.
+    """Loss and token accuracy per epoch (train and validation), and the
+    validation BLEU when the run measured it (`train --val-bleu N`), as a PNG.
 
     Args:
         epochs: the `metrics.json` entries, dicts with `epoch`, `loss`,
-            `token_accuracy` and optionally `val_loss`, `val_token_accuracy`.
+            `token_accuracy` and optionally `val_loss`, `val_token_accuracy`,
+            `val_bleu`.
         path: where the PNG goes.
     """
     pyplot = _pyplot()
-    figure, (loss_axis, accuracy_axis) = pyplot.subplots(1, 2, figsize=(10, 4))
+    bleu = [(entry["epoch"], entry["val_bleu"]) for entry in epochs
+            if entry.get("val_bleu") is not None]
+    figure, axes = pyplot.subplots(1, 3 if bleu else 2, figsize=(15 if bleu else 10, 4))
+    if bleu:
+        axes[2].plot(*zip(*bleu), "--s", color="tab:orange", label="val (greedy)")
+        axes[2].set_xlabel("epoch")
+        axes[2].set_title("BLEU")
+        axes[2].grid(alpha=0.3)
+        axes[2].legend()
     numbers = [entry["epoch"] for entry in epochs]
-    for key, axis in (("loss", loss_axis), ("token_accuracy", accuracy_axis)):
+    for key, axis in (("loss", axes[0]), ("token_accuracy", axes[1])):
         for prefix, style in (("", "-o"), ("val_", "--s")):
             values = [entry.get(prefix + key) for entry in epochs]
             if all(value is not None for value in values):

@@ -7,10 +7,11 @@ commands read.
       checkpoints/          epoch-NNNN.weights.h5, the last K epochs
       state/                state.json + weights and optimizer for --resume
       logs/                 TensorBoard
-      metrics.json          per-epoch loss, accuracy, learning rate, tokens/s; status
-      learning_curve.png    loss and accuracy per epoch (at the end)
+      metrics.json          per-epoch loss, accuracy, learning rate, tokens/s, val BLEU; status
+      learning_curve.png    loss, accuracy and val BLEU per epoch (at the end)
       model.keras           the final model (only once training finished)
-      averaged.keras        written by `keras-transformer average`
+      averaged.keras        the mean of the last N epoch checkpoints (`train
+                            --average-last N`, or `keras-transformer average`)
 
 Every file is written atomically (temporary name + rename). A directory
 appears only once the input has been checked, so a run that fails on bad
@@ -148,3 +149,38 @@ def save_model(model, path):
     raises `files.StorageError` instead of crashing inside HDF5.
     """
     atomic_write(os.fspath(path), model_bytes(model))
+
+
+def average_last_checkpoints(run, last, output=None):
+    """Averages the run's last `last` epoch checkpoints into a `.keras` model; returns
+    `(output path, the checkpoints averaged)`.
+
+    Like OpenNMT-tf's `average_last_checkpoints`: the element-wise mean of the
+    model weights (not the optimizer slots), saved as `output` (default
+    `RUN/averaged.keras`). `UserError` when the run holds fewer checkpoints;
+    `checkpoints.CorruptCheckpoint` (a `UserError`) when one is damaged.
+    """
+    from keras_transformer.checkpoints import average_checkpoints, epoch_checkpoints
+    from keras_transformer.config import TransformerConfig
+    from keras_transformer.training import compile_transformer
+    from keras_transformer.transformer import Transformer
+
+    settings = run.settings()
+    checkpoints = epoch_checkpoints(run.checkpoints_dir)
+    if len(checkpoints) < last:
+        raise UserError(f"--last {last}, but {run.checkpoints_dir} holds {len(checkpoints)} "
+                        f"epoch checkpoint(s) (train keeps --keep-checkpoints of them).")
+    config = TransformerConfig.from_dict(settings["model"])
+    model = Transformer(config)
+    model.build()
+    # The checkpoints hold the optimizer slots too: load them into a model compiled alike.
+    options = settings["options"]
+    compile_transformer(model, grad_accum=options.get("grad_accum", 1),
+                        clip_norm=options.get("clip_norm"))
+    average_checkpoints(model, checkpoints[-last:])
+    averaged = Transformer(config)
+    averaged.build()
+    averaged.set_weights(model.get_weights())
+    output = output or run.averaged_path
+    save_model(averaged, output)
+    return output, checkpoints[-last:]

@@ -45,6 +45,18 @@ class NoamSchedule(keras.optimizers.schedules.LearningRateSchedule):
         self.scale = scale
         self.steps_per_update = steps_per_update
 
+    @staticmethod
+    def scale_for_peak(peak_learning_rate, d_model, warmup_steps):
+        """The `scale` whose schedule peaks at `peak_learning_rate` (at step `warmup_steps`).
+
+        >>> schedule = NoamSchedule(128, 1000, NoamSchedule.scale_for_peak(5e-3, 128, 1000))
+        >>> round(float(schedule(999)), 6)
+        0.005
+        """
+        if not peak_learning_rate > 0:
+            raise ValueError(f"the peak learning rate must be a number > 0; got {peak_learning_rate!r}.")
+        return peak_learning_rate * (d_model * warmup_steps) ** 0.5
+
     def __call__(self, step):
         step_num = ops.floor(ops.cast(step, "float32") / self.steps_per_update) + 1.0
         return (self.scale * self.d_model**-0.5) * ops.minimum(

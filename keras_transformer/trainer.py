@@ -26,8 +26,8 @@ import numpy as np
 import tensorflow as tf
 
 from keras_transformer.batching import TokenizedPairs
-from keras_transformer.checkpoints import (EpochCheckpoints, TrainingState, epoch_checkpoints,
-                                           restore_latest)
+from keras_transformer.checkpoints import (CHECKPOINT_PATTERN, EpochCheckpoints, TrainingState,
+                                           epoch_checkpoints, logs_are_finite, restore_latest)
 from keras_transformer.config import TransformerConfig
 from keras_transformer.data import load_corpus
 from keras_transformer.files import StorageError
@@ -42,7 +42,8 @@ from keras_transformer.validation import UserError
 # Settings that define the run: a resumed run must be given the same ones.
 RUN_DEFINING = ("data", "source_lang", "target_lang", "preset", "overrides", "vocab_size",
                 "batch_tokens", "max_length", "warmup_steps", "learning_rate_scale",
-                "label_smoothing", "grad_accum", "mixed_precision", "seed")
+                "learning_rate", "clip_norm", "label_smoothing", "grad_accum", "mixed_precision",
+                "seed")
 
 
 @dataclasses.dataclass
@@ -62,6 +63,8 @@ class TrainingOptions:
     max_length: int = None  # of training pairs; default: the model's max_length
     warmup_steps: int = 4000
     learning_rate_scale: float = 1.0
+    learning_rate: float = None  # the schedule's peak (after warmup); default: the paper's
+    clip_norm: float = None  # clip every update's gradients to this global norm
     label_smoothing: float = 0.1
     strategy: str = "auto"
     mixed_precision: bool = False
@@ -69,6 +72,8 @@ class TrainingOptions:
     grad_accum: int = 1
     max_minutes: float = None  # stop after the last epoch that fits in this budget
     keep_checkpoints: int = 5
+    average_last: int = None  # at the end, average the last N epoch checkpoints into averaged.keras
+    val_bleu: int = 0  # greedy BLEU on the first N validation pairs after every epoch
     save_every_steps: int = None
     resume: bool = False
     overwrite: bool = False
@@ -117,6 +122,33 @@ class TimeBudget(keras.callbacks.Callback):
             self.exhausted = self.model.stop_training = True
 
 
+class ValidationBleu(keras.callbacks.Callback):
+    """Greedy-decodes a fixed list of validation sources after every epoch and adds
+    `val_bleu` (corpus sacreBLEU against `references`) to the epoch's logs.
+
+    Greedy search, not the final beam: it tracks progress at a fraction of the
+    cost (`--val-bleu N` picks how many pairs). The time it takes is counted
+    in the epoch's `seconds`.
+    """
+
+    def __init__(self, sources, references, tokenizer, batch_size=128):
+        super().__init__()
+        self.sources, self.references = list(sources), list(references)
+        self.tokenizer, self.batch_size, self.translator = tokenizer, batch_size, None
+
+    def on_epoch_end(self, epoch, logs=None):
+        from keras_transformer.evaluation import score_translations
+        from keras_transformer.translator import Translator
+
+        if logs is None or not logs_are_finite(logs):  # NonFiniteLoss stops the run
+            return
+        if self.translator is None:  # traced once, reused every epoch
+            self.translator = Translator(self.model, self.tokenizer, beam_size=1,
+                                         batch_size=self.batch_size)
+        hypotheses, _ = self.translator.translate(self.sources)
+        logs["val_bleu"] = score_translations(hypotheses, self.references).bleu
+
+
 class MetricsLog(keras.callbacks.Callback):
     """Writes `metrics.json` after every epoch: one entry per epoch (a re-run epoch replaces its entry)."""
 
@@ -160,6 +192,7 @@ def train(options, callbacks=(), log=print):
     returns status `"preempted"`. `callbacks` are added to `fit`'s (tests use
     them to inject faults).
     """
+    check_options(options)
     run = RunDirectory(options.out)
     try:
         run.check_can_start(options.resume, options.overwrite)  # leaves no lock file when refused
@@ -214,13 +247,18 @@ def _train(run, options, callbacks, log):
         model.build()
         compile_transformer(model, options.label_smoothing, options.warmup_steps,
                             options.learning_rate_scale, grad_accum=options.grad_accum,
-                            jit_compile=options.xla)
+                            peak_learning_rate=options.learning_rate,
+                            clip_norm=options.clip_norm, jit_compile=options.xla)
         build_for_fit(model)
     log(f"Model: preset {options.preset}, {model.count_params():,} parameters, "
         f"{strategy.num_replicas_in_sync} replica(s), --strategy {options.strategy}.")
     epoch, step = (restore_latest(model, run.state_dir, run.checkpoints_dir, log)
                    if stored is not None else (0, 0))
-    return _fit(options, run, strategy, model, batches, validation, epoch, step, callbacks, log,
+    extra = list(callbacks)
+    if options.val_bleu:
+        sources, references = val_pairs[0][: options.val_bleu], val_pairs[1][: options.val_bleu]
+        extra.insert(0, ValidationBleu(sources, references, tokenizer))
+    return _fit(options, run, strategy, model, batches, validation, epoch, step, extra, log,
                 (index, workers))
 
 
@@ -235,8 +273,10 @@ def _fit(options, run, strategy, model, batches, validation, epoch, step, callba
     metrics_log, nan_guard = MetricsLog(run, summary, target_tokens), NonFiniteLoss()
     state = TrainingState(run.state_dir, options.save_every_steps or max(1, steps // 4))
     tensorboard, signals = keras.callbacks.TensorBoard(str(run.logs_dir)), StopSignals(log)
-    all_callbacks = [nan_guard, metrics_log, EpochCheckpoints(run.checkpoints_dir, options.keep_checkpoints),
-                     state, tensorboard, *callbacks]
+    # `callbacks` first: what they add to the epoch's logs (val_bleu) reaches metrics.json and TensorBoard.
+    all_callbacks = [nan_guard, *callbacks, metrics_log,
+                     EpochCheckpoints(run.checkpoints_dir, options.keep_checkpoints), state,
+                     tensorboard]
     if options.max_minutes:
         all_callbacks.append(TimeBudget(60 * options.max_minutes))
     all_callbacks.append(StopAtStepBoundary(signals, state))  # last: the others have seen the batch
@@ -265,7 +305,7 @@ def _fit(options, run, strategy, model, batches, validation, epoch, step, callba
         except Preempted as stop:
             tensorboard.on_train_end()  # `fit` did not get there: close its event files
             return _preempted(run, model, summary, metrics_log, stop, log)
-    return _finish(run, model, summary, metrics_log, nan_guard, log)
+    return _finish(run, model, summary, metrics_log, nan_guard, log, options.average_last)
 
 
 def _preempted(run, model, summary, metrics_log, stop, log):
@@ -277,8 +317,9 @@ def _preempted(run, model, summary, metrics_log, stop, log):
     return TrainingResult("preempted", run, summary["epochs"], model)
 
 
-def _finish(run, model, summary, metrics_log, nan_guard, log):
+def _finish(run, model, summary, metrics_log, nan_guard, log, average_last=None):
     from keras_transformer.plots import plot_learning_curve
+    from keras_transformer.run_directory import average_last_checkpoints
 
     if nan_guard.where:
         epoch, step = nan_guard.where
@@ -290,11 +331,21 @@ def _finish(run, model, summary, metrics_log, nan_guard, log):
             f"Last good checkpoint: {last}.")
         return TrainingResult(summary["status"], run, summary["epochs"], model)
     save_model(model, run.model_path)
+    averaged = ""
+    if average_last:
+        available = len(epoch_checkpoints(run.checkpoints_dir))
+        if available < average_last:  # a time budget that ended training early
+            log(f"Averaging: only {available} epoch checkpoint(s), not --average-last "
+                f"{average_last}; averaging those.")
+        if available:
+            path, used = average_last_checkpoints(run, min(average_last, available))
+            summary["averaged"] = [int(CHECKPOINT_PATTERN.search(p).group(1)) for p in used]
+            averaged = f", the average of epochs {summary['averaged']} in {path}"
     summary["status"] = "finished"
     metrics_log.write()
     if summary["epochs"]:
         plot_learning_curve(summary["epochs"], run.curve_path)
-    log(f"Finished; the model is in {run.model_path}, metrics in {run.metrics_path}.")
+    log(f"Finished; the model is in {run.model_path}{averaged}, metrics in {run.metrics_path}.")
     return TrainingResult("finished", run, summary["epochs"], model)
 
 
@@ -355,6 +406,33 @@ def mixed_precision_policy():
 def _jsonable(options):
     return {key: value for key, value in dataclasses.asdict(options).items()
             if key not in ("resume", "overwrite", "verbose")}
+
+
+def check_options(options):
+    """`UserError` (one line, naming the option) for a setting no run could use."""
+    def positive(name, value, flag):
+        if value is not None and not (isinstance(value, (int, float)) and value > 0):
+            raise UserError(f"{flag} must be a number > 0; got {value!r}.")
+
+    positive("learning_rate", options.learning_rate, "--learning-rate")
+    positive("learning_rate_scale", options.learning_rate_scale, "--learning-rate-scale")
+    positive("clip_norm", options.clip_norm, "--clip-norm")
+    positive("max_minutes", options.max_minutes, "--max-minutes")
+    if options.learning_rate is not None and options.learning_rate_scale != 1.0:
+        raise UserError("--learning-rate (the peak) and --learning-rate-scale both set the "
+                        "learning rate; give one of them.")
+    if not (isinstance(options.label_smoothing, (int, float)) and 0 <= options.label_smoothing < 1):
+        raise UserError(f"--label-smoothing must be in [0, 1); got {options.label_smoothing!r}.")
+    if not (isinstance(options.val_bleu, int) and options.val_bleu >= 0):
+        raise UserError(f"--val-bleu must be a number of sentences >= 0; got {options.val_bleu!r}.")
+    if options.average_last is not None:
+        if not (isinstance(options.average_last, int) and options.average_last >= 1):
+            raise UserError(f"--average-last must be a positive integer; got "
+                            f"{options.average_last!r}.")
+        if options.average_last > options.keep_checkpoints:
+            raise UserError(f"--average-last {options.average_last} needs at least that many epoch "
+                            f"checkpoints; raise --keep-checkpoints (now "
+                            f"{options.keep_checkpoints}).")
 
 
 def _check_same_run(stored, options):

@@ -23,16 +23,24 @@ from keras_transformer.validation import UserError
 
 
 def make_optimizer(d_model, warmup_steps=4000, learning_rate_scale=1.0, grad_accum=1,
-                   **adam_arguments):
+                   peak_learning_rate=None, clip_norm=None, **adam_arguments):
     """Adam with β1 = 0.9, β2 = 0.98, ε = 1e-9 on `NoamSchedule(d_model, warmup_steps)`.
 
     `grad_accum` > 1 averages the gradients of that many batches into one
     update (a `grad_accum`-times larger batch); the schedule counts updates.
+    `peak_learning_rate` sets the schedule's scale so that it peaks at that
+    rate after `warmup_steps` (instead of `learning_rate_scale`; the same
+    inverse-square-root shape). `clip_norm` rescales every update's gradients
+    to a global norm of at most that (Keras' `global_clipnorm`).
     """
     arguments = dict(beta_1=0.9, beta_2=0.98, epsilon=1e-9)
     if grad_accum > 1:
         arguments["gradient_accumulation_steps"] = grad_accum
+    if clip_norm is not None:
+        arguments["global_clipnorm"] = clip_norm
     arguments.update(adam_arguments)
+    if peak_learning_rate is not None:
+        learning_rate_scale = NoamSchedule.scale_for_peak(peak_learning_rate, d_model, warmup_steps)
     schedule = NoamSchedule(d_model, warmup_steps=warmup_steps, scale=learning_rate_scale,
                             steps_per_update=grad_accum)
     return keras.optimizers.Adam(learning_rate=schedule, **arguments)
@@ -88,7 +96,8 @@ def worker_index(strategy):
 
 
 def compile_transformer(model, label_smoothing=0.1, warmup_steps=4000, learning_rate_scale=1.0,
-                        optimizer=None, grad_accum=1, **compile_arguments):
+                        optimizer=None, grad_accum=1, peak_learning_rate=None, clip_norm=None,
+                        **compile_arguments):
     """Compiles `model` (a `Transformer`) with the paper's objective and optimizer.
 
     Args:
@@ -98,6 +107,7 @@ def compile_transformer(model, label_smoothing=0.1, warmup_steps=4000, learning_
             `optimizer` is given).
         optimizer: overrides the paper's Adam.
         grad_accum: batches whose gradients make one update (see `make_optimizer`).
+        peak_learning_rate, clip_norm: see `make_optimizer`.
         **compile_arguments: passed to `model.compile` (e.g. `jit_compile`,
             `steps_per_execution`).
 
@@ -107,7 +117,7 @@ def compile_transformer(model, label_smoothing=0.1, warmup_steps=4000, learning_
     config = model.config
     model.compile(
         optimizer=optimizer or make_optimizer(config.d_model, warmup_steps, learning_rate_scale,
-                                              grad_accum),
+                                              grad_accum, peak_learning_rate, clip_norm),
         loss=LabelSmoothedCrossEntropy(label_smoothing=label_smoothing, pad_id=config.pad_id),
         metrics=[MaskedTokenAccuracy(pad_id=config.pad_id)],
         **compile_arguments,

@@ -74,13 +74,16 @@ def synthetic_files(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def trained_run(tmp_path_factory, synthetic_files):
-    """A tiny model trained for 3 epochs through the CLI on the mirrored strategy (a run directory)."""
+    """A tiny model trained for 3 epochs through the CLI on the mirrored strategy (a run directory),
+    with a peak learning rate, gradient clipping, validation BLEU and averaging at the end."""
     from keras_transformer import cli
 
     out = tmp_path_factory.mktemp("runs") / "tiny"
     status = cli.main(["train", "--data", "files:{},{}".format(*synthetic_files), "--out", str(out),
                        "--epochs", "3", "--strategy", "mirrored", "--preset", "tiny",
-                       "--vocab-size", "300", "--batch-tokens", "1024", "--warmup-steps", "50"])
+                       "--vocab-size", "300", "--batch-tokens", "1024", "--warmup-steps", "50",
+                       "--learning-rate", "2e-3", "--clip-norm", "5", "--val-bleu", "8",
+                       "--average-last", "2"])
     assert status == 0
     return out
 

@@ -59,6 +59,44 @@ def test_bad_input_gives_one_line_exit_2_and_no_run_directory(case, expected, tm
     assert not out.exists()
 
 
+@pytest.mark.parametrize("arguments, expected", [
+    (["--learning-rate", "0"], "argument --learning-rate: expected a number > 0, got '0'"),
+    (["--learning-rate", "fast"], "argument --learning-rate: expected a number > 0"),
+    (["--clip-norm", "-1"], "argument --clip-norm: expected a number > 0, got '-1'"),
+    (["--clip-norm", "inf"], "argument --clip-norm: expected a number > 0"),
+    (["--learning-rate-scale", "-2"], "argument --learning-rate-scale: expected a number > 0"),
+    (["--max-minutes", "0"], "argument --max-minutes: expected a number > 0"),
+    (["--val-bleu", "-5"], "argument --val-bleu: expected an integer >= 0, got '-5'"),
+    (["--average-last", "0"], "argument --average-last: expected a positive integer, got '0'"),
+    (["--average-last", "6"], "--average-last 6 needs at least that many epoch checkpoints; "
+                              "raise --keep-checkpoints (now 5)."),
+    (["--learning-rate", "1e-3", "--learning-rate-scale", "2"],
+     "--learning-rate (the peak) and --learning-rate-scale both set the learning rate"),
+    (["--label-smoothing", "1"], "--label-smoothing must be in [0, 1); got 1.0."),
+    (["--label-smoothing", "-0.1"], "--label-smoothing must be in [0, 1)"),
+])
+def test_bad_training_option_gives_one_line_exit_2(arguments, expected, tmp_path, capsys):
+    out = tmp_path / "run"
+    try:
+        status = cli.main(["train", "--out", str(out), *TINY, *arguments])
+    except SystemExit as exit:  # argparse's own checks
+        status = exit.code
+    error = capsys.readouterr().err.strip().splitlines()
+    assert status == 2
+    assert len(error) == 1 and error[0].startswith("keras-transformer"), error
+    assert expected in error[0]
+    assert not out.exists()
+
+
+def test_bad_decoding_option_gives_one_line_exit_2(capsys):
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["evaluate", "--model", "x", "--data", "synthetic", "--length-penalty", "-0.5"])
+    assert exit.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "keras-transformer evaluate: error: argument --length-penalty: expected a number >= 0, "
+        "got '-0.5' (see --help)"]
+
+
 def test_existing_run_directory_needs_resume_or_overwrite(tmp_path, capsys, parallel_files):
     out = tmp_path / "run"
     out.mkdir()
@@ -87,6 +125,11 @@ def test_mirrored_strategy_trains_through_the_cli(trained_run):
     metrics = json.loads((trained_run / "metrics.json").read_text())
     assert metrics["status"] == "finished" and metrics["replicas"] == 2
     assert [entry["epoch"] for entry in metrics["epochs"]] == [1, 2, 3]
+    # --val-bleu 8: a greedy BLEU on 8 validation pairs after every epoch.
+    assert all(0 <= entry["val_bleu"] <= 100 for entry in metrics["epochs"])
+    # --average-last 2 wrote averaged.keras from epochs 2 and 3 (checked in
+    # test_average_is_the_mean_of_the_checkpoints).
+    assert metrics["averaged"] == [2, 3]
     losses = [entry["loss"] for entry in metrics["epochs"]]
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
     for name in ("run.json", "tokenizer.model", "model.keras", "learning_curve.png"):
@@ -109,8 +152,10 @@ def test_translate_reads_stdin_and_writes_one_line_per_input(trained_run, monkey
 
 
 def test_evaluate_average_and_attention(trained_run, parallel_files, capsys, tmp_path):
-    assert cli.main(["average", "--model", str(trained_run), "--last", "2"]) == 0
-    assert (trained_run / "averaged.keras").is_file()
+    assert (trained_run / "averaged.keras").is_file()  # train --average-last 2
+    assert cli.main(["average", "--model", str(trained_run), "--last", "2",
+                     "--output", str(tmp_path / "again.keras")]) == 0
+    assert (tmp_path / "again.keras").is_file()
     data = "files:{},{}".format(*parallel_files)
     assert cli.main(["evaluate", "--model", str(trained_run / "averaged.keras"), "--data", data,
                      "--split", "train", "--limit", "20", "--beam-size", "2"]) == 0
@@ -118,6 +163,7 @@ def test_evaluate_average_and_attention(trained_run, parallel_files, capsys, tmp
     assert "BLEU" in printed and "nrefs:1|case:mixed|eff:no|tok:13a" in printed
     report = json.loads((trained_run / "eval-files-train.json").read_text())
     assert report["sentences"] == 20 and 0 <= report["bleu"] <= 100
+    assert 0 <= report["paper_bleu"] <= 100 and "tok:none" in report["paper_signature"]
     assert len((trained_run / "translations-files-train.txt").read_text().splitlines()) == 20
     picture = tmp_path / "attention.png"
     assert cli.main(["attention", "--model", str(trained_run), "--text", "the dog sees the cat",

@@ -100,3 +100,18 @@ def test_train_step_falls_back_to_logits_for_what_it_cannot_fuse():
     model, steps, _ = _train_steps(True, sample_weight=np.linspace(0.5, 1.5, 16))
     assert model._fused_loss_function(np.ones(16)) is None
     assert np.isfinite(steps[-1]["loss"])
+
+
+def test_peak_learning_rate_and_gradient_clipping_reach_the_optimizer():
+    model = kt.Transformer.from_preset("tiny", vocab_size=50)
+    model.build()
+    kt.compile_transformer(model, warmup_steps=100, peak_learning_rate=5e-3, clip_norm=1.0)
+    optimizer = model.optimizer
+    assert optimizer.global_clipnorm == 1.0
+    schedule = keras.saving.deserialize_keras_object(optimizer.get_config()["learning_rate"])
+    rates = [float(schedule(step)) for step in (0, 49, 99, 399)]
+    assert rates[2] == pytest.approx(5e-3, rel=1e-6)  # the peak, at step 100
+    assert rates[1] == pytest.approx(2.5e-3, rel=1e-6)  # linear warmup
+    assert rates[3] == pytest.approx(2.5e-3, rel=1e-6)  # 1/sqrt(step) after it
+    assert rates[0] < rates[1] < rates[2]
+
