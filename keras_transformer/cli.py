@@ -288,7 +288,7 @@ def _train_parser(commands):
     _add_data_arguments(train, default="synthetic")
     train.add_argument("--source-lang", default="en")
     train.add_argument("--target-lang", default="de")
-    train.add_argument("--preset", default="small", help="tiny | small | base | big")
+    train.add_argument("--preset", default="small", help="tiny | mini | small | base | big (`keras-transformer presets` lists them)")
     train.add_argument("--set", type=_setting, action="append", default=[], metavar="KEY=VALUE",
                        help="override a TransformerConfig field, e.g. --set dropout_rate=0.3")
     train.add_argument("--out", required=True, help="the run directory")

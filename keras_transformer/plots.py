@@ -50,6 +50,34 @@ def plot_learning_curve(epochs, path):
     pyplot.close(figure)
 
 
+def plot_validation_curves(runs, path):
+    """Validation loss and greedy validation BLEU against wall-clock minutes, one line per run.
+
+    Args:
+        runs: `(label, epochs)` pairs, `epochs` being a run's `metrics.json`
+            entries; the x axis is the cumulative `seconds` of the epochs.
+        path: where the PNG goes.
+    """
+    pyplot = _pyplot()
+    figure, (loss_axis, bleu_axis) = pyplot.subplots(1, 2, figsize=(12, 4.5))
+    for label, epochs in runs:
+        minutes = np.cumsum([entry["seconds"] for entry in epochs]) / 60
+        loss_axis.plot(minutes, [entry.get("val_loss") for entry in epochs], "-o", markersize=3,
+                       label=label)
+        bleu = [(m, e["val_bleu"]) for m, e in zip(minutes, epochs) if e.get("val_bleu") is not None]
+        if bleu:
+            bleu_axis.plot(*zip(*bleu), "-s", markersize=3, label=label)
+    for axis, title in ((loss_axis, "validation loss"), (bleu_axis, "validation BLEU (greedy)")):
+        axis.set_xlabel("wall-clock minutes (training + validation)")
+        axis.set_title(title)
+        axis.grid(alpha=0.3)
+        if axis.lines:
+            axis.legend()
+    figure.tight_layout()
+    _save(figure, path)
+    pyplot.close(figure)
+
+
 def plot_attention(weights, source_tokens, target_tokens, path):
     """Every head of every attention layer of one sentence, as a PNG grid.
 

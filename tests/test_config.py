@@ -26,7 +26,7 @@ def test_bad_configuration_raises_value_error_naming_the_argument(overrides, mes
 def test_unknown_preset_lists_the_presets():
     with pytest.raises(ValueError) as error:
         kt.Transformer.from_preset("huge", vocab_size=100)
-    assert "preset must be one of ['base', 'big', 'small', 'tiny']" in str(error.value)
+    assert "preset must be one of ['base', 'big', 'small', 'mini', 'tiny']" in str(error.value)
 
 
 def test_preset_without_vocab_size_says_so():

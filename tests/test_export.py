@@ -231,9 +231,17 @@ def test_long_source_is_truncated_to_max_length(serving_default, trained_run):
 
     tokenizer = RunDirectory(trained_run).tokenizer()
     max_length = RunDirectory(trained_run).settings()["model"]["max_length"]
-    long = "the dog sees the cat " * 2000
-    pieces = tokenizer.tokenize(tf.constant([long]))[0, : max_length - 1]
-    prefix = tokenizer.detokenize(pieces[None]).numpy()[0]
+    # A long text whose first max_length - 1 pieces end at a word boundary, so that
+    # their detokenized prefix tokenizes back to the same pieces (else the two
+    # sources would differ in their last piece).
+    for lead in range(20):
+        long = "a " * lead + "the dog sees the cat " * 2000
+        ids = tokenizer.tokenize(tf.constant([long]))[0].numpy()
+        if tokenizer.processor.id_to_piece(int(ids[max_length - 1])).startswith("\u2581"):
+            break
+    pieces = ids[: max_length - 1]
+    prefix = tokenizer.detokenize(tf.constant(pieces[None])).numpy()[0]
+    assert list(tokenizer.tokenize(tf.constant([prefix]))[0].numpy()) == list(pieces)
     translations, scores = _check_outputs(serving_default, [long.encode(), prefix])
     assert translations[0] == translations[1] and scores[0] == pytest.approx(scores[1], abs=1e-4)
 

@@ -1,0 +1,171 @@
+"""Multi30k EN→DE ablations at one budget, scored on the validation set only.
+
+Each variant is a `keras-transformer train` command (the recipe's settings
+with one change) run for the same wall-clock budget, then averaged over its
+last 5 epoch checkpoints and evaluated on val (beam 4, α 0.6; sacreBLEU, chrF,
+paper metric). test2016 is never touched here: the recipe is chosen on val.
+
+Runs go two at a time, each pinned to one core (`taskset`, one TensorFlow
+thread), so that every row of the table gets the same share of this 2-core
+machine; the rows compare with each other, not with a run that has both
+cores (the recipe itself, `scripts/reproduce_multi30k.sh`).
+
+Every finished variant is appended to the JSON at once; running the script
+again skips the variants that are there and resumes a half-trained one
+(`train --resume`), so it survives being killed.
+
+    python scripts/ablate_multi30k.py [--minutes 30] [--only NAME,NAME] [--list]
+        [--data-dir ../shared/data/multi30k] [--runs runs/ablation]
+        [--json bench_results/multi30k_ablation.json]
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+COMMON = ["--data", "multi30k", "--source-lang", "en", "--target-lang", "de",
+          "--keep-checkpoints", "5", "--average-last", "5", "--epochs", "200"]
+# The reference point of the changes below: Transformer-Tiny's shape (`mini`),
+# peak learning rate 5e-3 after 1000 warmup steps, ~4096-token batches, BPE 8000.
+MINI = ["--preset", "mini", "--vocab-size", "8000", "--batch-tokens", "4096",
+        "--warmup-steps", "1000", "--learning-rate", "5e-3"]
+
+
+def _replace(arguments, **changes):
+    """`arguments` with the value after each `--flag` replaced (flag_name=value, None removes it)."""
+    result, skip = [], False
+    flags = {"--" + key.replace("_", "-"): value for key, value in changes.items()}
+    for index, item in enumerate(arguments):
+        if skip:
+            skip = False
+            continue
+        if item in flags:
+            skip = True
+            if flags[item] is not None:
+                result += [item, str(flags.pop(item))]
+            else:
+                flags.pop(item)
+            continue
+        result.append(item)
+    for flag, value in flags.items():
+        if value is not None:
+            result += [flag, str(value)]
+    return result
+
+
+VARIANTS = {
+    # Today's recipe (scripts/reproduce_multi30k.sh before this change).
+    "small (today)": ["--preset", "small", "--set", "dropout_rate=0.3", "--vocab-size", "8000",
+                      "--batch-tokens", "4096", "--warmup-steps", "1000"],
+    "mini, lr 5e-3": MINI,
+    "mini, lr 2.5e-3": _replace(MINI, learning_rate="2.5e-3"),
+    "mini 3+3 layers": MINI + ["--set", "num_layers=3"],
+    "mini, 8192-token batches": _replace(MINI, batch_tokens=8192, warmup_steps=500),
+    "mini, dropout 0.2": MINI + ["--set", "dropout_rate=0.2"],
+    "mini, BPE 10000": _replace(MINI, vocab_size=10000),
+    "mini, clip-norm 1": MINI + ["--clip-norm", "1"],
+}
+
+
+def _slug(name):
+    return "".join(c if c.isalnum() else "-" for c in name).strip("-").replace("--", "-")
+
+
+def _pinned(core, command):
+    environment = dict(os.environ, TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1",
+                       TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+    return ["taskset", "-c", str(core), *command], environment
+
+
+def _train_command(binary, name, args):
+    return [binary, "train", *COMMON, "--data-dir", args.data_dir, *VARIANTS[name],
+            "--max-minutes", str(args.minutes), "--out", str(Path(args.runs) / _slug(name)),
+            "--resume"]
+
+
+def _evaluate(binary, name, args, core):
+    run = Path(args.runs) / _slug(name)
+    command, environment = _pinned(core, [
+        binary, "evaluate", "--model", str(run / "averaged.keras"), "--data", "multi30k",
+        "--data-dir", args.data_dir, "--split", "val", "--beam-size", "4",
+        "--length-penalty", "0.6"])
+    subprocess.run(command, env=environment, check=True, stdout=subprocess.DEVNULL)
+    report = json.loads((run / "eval-multi30k-val.json").read_text())
+    metrics = json.loads((run / "metrics.json").read_text())
+    epochs = metrics["epochs"]
+    return {
+        "variant": name, "command": " ".join(["keras-transformer", "train", *VARIANTS[name]]),
+        "epochs": len(epochs), "optimizer_steps": epochs[-1]["optimizer_steps"],
+        "train_minutes": round(sum(e["seconds"] for e in epochs) / 60, 1),
+        "target_tokens_per_second": round(
+            sum(e["target_tokens_per_second"] * e["seconds"] for e in epochs)
+            / sum(e["seconds"] for e in epochs), 1),
+        "parameters": metrics["parameters"], "averaged_epochs": metrics.get("averaged"),
+        "last_val_loss": epochs[-1].get("val_loss"),
+        "val_bleu": round(report["bleu"], 2), "val_chrf": round(report["chrf"], 2),
+        "val_paper_bleu": None if report.get("paper_bleu") is None else round(report["paper_bleu"], 2),
+        "bleu_signature": report["bleu_signature"],
+    }
+
+
+def _run_pair(binary, names, args, results):
+    processes = []
+    for core, name in enumerate(names):
+        log = open(Path(args.runs) / f"{_slug(name)}.log", "a")
+        command, environment = _pinned(core, _train_command(binary, name, args))
+        print(f"[{time.strftime('%H:%M')}] core {core}: {name}", flush=True)
+        processes.append((name, core, subprocess.Popen(command, env=environment, stdout=log,
+                                                        stderr=subprocess.STDOUT), log))
+    for name, core, process, log in processes:
+        status = process.wait()
+        log.close()
+        if status != 0:
+            print(f"  {name}: train exited with {status}; see its log", flush=True)
+            continue
+        row = _evaluate(binary, name, args, core)
+        results["rows"] = [r for r in results["rows"] if r["variant"] != name] + [row]
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+        print(f"  {name}: {row['epochs']} epochs, val BLEU {row['val_bleu']}", flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--minutes", type=float, default=30, help="training budget per variant")
+    parser.add_argument("--only", help="comma-separated variant names (default: all)")
+    parser.add_argument("--list", action="store_true", help="print the variants and exit")
+    parser.add_argument("--data-dir", default=str(ROOT.parent / "shared" / "data" / "multi30k"))
+    parser.add_argument("--runs", default=str(ROOT / "runs" / "ablation"))
+    parser.add_argument("--json", default=str(ROOT / "bench_results" / "multi30k_ablation.json"))
+    args = parser.parse_args()
+    if args.list:
+        for name, arguments in VARIANTS.items():
+            print(f"{name}: {' '.join(arguments)}")
+        return 0
+    names = args.only.split(",") if args.only else list(VARIANTS)
+    unknown = [name for name in names if name not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variant(s) {unknown}; --list shows them")
+    Path(args.runs).mkdir(parents=True, exist_ok=True)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    results = (json.loads(Path(args.json).read_text()) if Path(args.json).exists()
+               else {"minutes": args.minutes, "setting": "2 runs at a time, 1 core each", "rows": []})
+    if results["minutes"] != args.minutes:
+        parser.error(f"{args.json} holds rows at --minutes {results['minutes']}; use that budget "
+                     f"or another --json")
+    done = {row["variant"] for row in results["rows"]}
+    pending = [name for name in names if name not in done]
+    binary = str(Path(sys.executable).parent / "keras-transformer")
+    for start in range(0, len(pending), 2):
+        _run_pair(binary, pending[start: start + 2], args, results)
+    print(f"{len(results['rows'])} rows in {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
