@@ -106,11 +106,17 @@ class NonFiniteLoss(keras.callbacks.Callback):
 
 
 class TimeBudget(keras.callbacks.Callback):
-    """Stops after the epoch past which the next one would overrun `seconds` of training."""
+    """Stops after the epoch past which the next one would overrun `seconds` of training.
 
-    def __init__(self, seconds):
+    `spent`: seconds already used by earlier runs of the same training (the
+    finished epochs of a resumed run), so that a killed and resumed run keeps
+    to the budget it was given.
+    """
+
+    def __init__(self, seconds, spent=0.0):
         super().__init__()
-        self.seconds, self.started, self.epoch_started = seconds, time.perf_counter(), None
+        self.seconds, self.epoch_started = seconds, None
+        self.started = time.perf_counter() - spent
         self.exhausted = False
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -277,8 +283,9 @@ def _fit(options, run, strategy, model, batches, validation, epoch, step, callba
     all_callbacks = [nan_guard, *callbacks, metrics_log,
                      EpochCheckpoints(run.checkpoints_dir, options.keep_checkpoints), state,
                      tensorboard]
-    if options.max_minutes:
-        all_callbacks.append(TimeBudget(60 * options.max_minutes))
+    spent = sum(entry.get("seconds", 0.0) for entry in summary["epochs"])
+    if options.max_minutes:  # the whole run's budget: a resumed run counts its finished epochs
+        all_callbacks.append(TimeBudget(60 * options.max_minutes, spent))
     all_callbacks.append(StopAtStepBoundary(signals, state))  # last: the others have seen the batch
     verbose = options.verbose if options.verbose is not None else (1 if sys.stdout.isatty() else 2)
     validation_data = _distribute(validation.in_order(), worker[1])
@@ -286,8 +293,8 @@ def _fit(options, run, strategy, model, batches, validation, epoch, step, callba
     if step and epoch < options.epochs:  # finish the interrupted epoch first
         segments.append((epoch, epoch + 1, step))
         epoch += 1
-    if epoch < options.epochs:
-        segments.append((epoch, options.epochs, 0))
+    if epoch < options.epochs and not (options.max_minutes and spent >= 60 * options.max_minutes):
+        segments.append((epoch, options.epochs, 0))  # (a resumed run may have used its budget)
     with signals:
         try:
             for first, stop, skip in segments:

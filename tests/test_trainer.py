@@ -192,3 +192,18 @@ def test_resume_without_vocab_size_accepts_the_stored_vocabulary():
     _check_same_run(stored, TrainingOptions(out="r"))  # the default: whatever was stored
     with pytest.raises(UserError, match=r"vocab_size: 8000 -> 4000"):
         _check_same_run(stored, TrainingOptions(out="r", vocab_size=4000))
+
+
+def test_time_budget_counts_the_time_a_resumed_run_already_spent():
+    from keras_transformer.trainer import TimeBudget
+
+    class Model:
+        stop_training = False
+
+    fresh, resumed = TimeBudget(60.0), TimeBudget(60.0, spent=61.0)
+    for budget in (fresh, resumed):
+        budget.set_model(Model())
+        budget.on_epoch_begin(0)
+        budget.on_epoch_end(0)
+    assert not fresh.exhausted and not fresh.model.stop_training
+    assert resumed.exhausted and resumed.model.stop_training
