@@ -55,7 +55,7 @@ def paper_bleu(hypotheses, references, lang):
     def process(text):
         return tokenizer.tokenize(normalizer.normalize(text.lower()), return_str=True, escape=False)
 
-    bleu = sacrebleu.metrics.BLEU(tokenize="none")
+    bleu = sacrebleu.metrics.BLEU(tokenize="none", force=True)  # the text is tokenized on purpose
     score = bleu.corpus_score([process(h) for h in hypotheses], [[process(r) for r in references]])
     version = getattr(sacremoses, "__version__", "")
     return score.score, PAPER_METRIC.format(version=version, lang=lang) + f", {bleu.get_signature()}"

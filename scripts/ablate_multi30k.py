@@ -14,9 +14,9 @@ Every finished variant is appended to the JSON at once; running the script
 again skips the variants that are there and resumes a half-trained one
 (`train --resume`), so it survives being killed.
 
-    python scripts/ablate_multi30k.py [--minutes 30] [--only NAME,NAME] [--list]
+    python scripts/ablate_multi30k.py [--minutes 40] [--only NAME]... [--list]
         [--data-dir ../shared/data/multi30k] [--runs runs/ablation]
-        [--json bench_results/multi30k_ablation.json]
+        [--json results/multi30k_ablation.json]
 """
 
 import argparse
@@ -136,18 +136,19 @@ def _run_pair(binary, names, args, results):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--minutes", type=float, default=30, help="training budget per variant")
-    parser.add_argument("--only", help="comma-separated variant names (default: all)")
+    parser.add_argument("--minutes", type=float, default=40, help="training budget per variant")
+    parser.add_argument("--only", action="append", metavar="NAME",
+                        help="a variant to run (repeatable; default: all)")
     parser.add_argument("--list", action="store_true", help="print the variants and exit")
     parser.add_argument("--data-dir", default=str(ROOT.parent / "shared" / "data" / "multi30k"))
     parser.add_argument("--runs", default=str(ROOT / "runs" / "ablation"))
-    parser.add_argument("--json", default=str(ROOT / "bench_results" / "multi30k_ablation.json"))
+    parser.add_argument("--json", default=str(ROOT / "results" / "multi30k_ablation.json"))
     args = parser.parse_args()
     if args.list:
         for name, arguments in VARIANTS.items():
             print(f"{name}: {' '.join(arguments)}")
         return 0
-    names = args.only.split(",") if args.only else list(VARIANTS)
+    names = args.only or list(VARIANTS)
     unknown = [name for name in names if name not in VARIANTS]
     if unknown:
         parser.error(f"unknown variant(s) {unknown}; --list shows them")
