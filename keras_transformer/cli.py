@@ -5,8 +5,9 @@
                                 [--mixed-precision] [--xla] [--grad-accum N] [--resume | --overwrite]
     keras-transformer translate --model runs/NAME [--beam-size 4] < input.txt > output.txt
     keras-transformer evaluate  --model runs/NAME --data DATASET --split test
-    keras-transformer export    --model runs/NAME --format saved_model|onnx --out DIR
-                                [--name NAME] [--version N] [--overwrite]
+    keras-transformer export    --model runs/NAME --format saved_model|onnx|ctranslate2 --out DIR
+                                [--name NAME] [--version N] [--quantization float32|int8]
+                                [--overwrite]
     keras-transformer average   --model runs/NAME --last 5
     keras-transformer attention --model runs/NAME --text "A sentence." --out attention.png
     keras-transformer presets   [--vocab-size N]
@@ -158,25 +159,46 @@ def _evaluate(args):
 
 def _export(args):
     # The exporters live in the top-level `export` package (the library never imports it).
-    from export.graphs import TranslationGraphs
     from export.layout import check_free, check_model_name, export_lock
     from keras_transformer.run_directory import load_model, resolve_model
+    from keras_transformer.validation import UserError
 
+    if args.quantization != "float32" and args.format != "ctranslate2":
+        raise UserError(f"--quantization {args.quantization} is available for --format ctranslate2 "
+                        f"only; {args.format} exports are float32.")
     run, model_path = resolve_model(args.model)
     name = check_model_name(args.name or os.path.basename(os.path.abspath(run.path)))
     # One exporter at a time per destination: the TF Serving base directory
-    # (versions and models.config), or the ONNX directory's parent.
+    # (versions and models.config), or the ONNX/CTranslate2 directory's parent.
     out = os.path.abspath(args.out)
     with export_lock(args.format, out):
         # Refuse an occupied destination before the slow part (loading and tracing).
-        if args.format == "onnx":
+        if args.format != "saved_model":
             check_free(out, args.overwrite)
         elif args.version is not None:
             check_free(os.path.join(out, name, str(args.version)), args.overwrite)
-        graphs = TranslationGraphs(load_model(model_path), run.tokenizer(),
-                                   beam_size=args.beam_size, length_penalty=args.length_penalty,
+        model, tokenizer = load_model(model_path), run.tokenizer()
+        if args.format == "ctranslate2":
+            return _write_ctranslate2(args, model, tokenizer)
+        from export.graphs import TranslationGraphs
+
+        graphs = TranslationGraphs(model, tokenizer, beam_size=args.beam_size,
+                                   length_penalty=args.length_penalty,
                                    max_extra_length=args.max_extra_length)
         return _write_export(args, graphs, name)
+
+
+def _write_ctranslate2(args, model, tokenizer):
+    from export.ctranslate2 import export_ctranslate2
+
+    start = time.perf_counter()
+    path = export_ctranslate2(model, tokenizer, args.out, quantization=args.quantization,
+                              beam_size=args.beam_size, length_penalty=args.length_penalty,
+                              max_extra_length=args.max_extra_length, overwrite=args.overwrite)
+    print(f"Wrote the CTranslate2 model ({args.quantization}) to {path} in "
+          f"{time.perf_counter() - start:.0f}s.\nTranslate with it: "
+          f"python -m export.ctranslate2 {path} < input.txt", file=sys.stderr)
+    return 0
 
 
 def _write_export(args, graphs, name):
@@ -369,19 +391,23 @@ def build_parser():
     evaluate.add_argument("--output", help="translations file (default RUN/translations-DATA-SPLIT.txt)")
     evaluate.set_defaults(handler=_evaluate)
 
-    export = commands.add_parser("export", help="write a TF Serving SavedModel or ONNX graphs")
+    export = commands.add_parser("export", help="write a TF Serving SavedModel, ONNX graphs or a "
+                                                "CTranslate2 model")
     _add_model_arguments(export, batch=False)
     export.add_argument("--max-extra-length", type=int, default=50,
                         help="output length limit = source length + this (default 50)")
-    export.add_argument("--format", required=True, choices=["saved_model", "onnx"])
+    export.add_argument("--format", required=True, choices=["saved_model", "onnx", "ctranslate2"])
+    export.add_argument("--quantization", choices=["float32", "int8"], default="float32",
+                        help="ctranslate2: the weights' type (default float32; int8: check BLEU first)")
     export.add_argument("--out", required=True,
                         help="saved_model: the TF Serving base directory (writes OUT/NAME/VERSION and "
-                             "OUT/models.config); onnx: the directory to write")
+                             "OUT/models.config); onnx, ctranslate2: the directory to write")
     export.add_argument("--name", help="saved_model: the model name (default: the run's directory name)")
     export.add_argument("--version", type=_positive_int,
                         help="saved_model: the version (default: one more than the highest there)")
     export.add_argument("--overwrite", action="store_true",
-                        help="replace an existing version (saved_model) or directory (onnx)")
+                        help="replace an existing version (saved_model) or directory (onnx, "
+                             "ctranslate2)")
     export.set_defaults(handler=_export)
 
     average = commands.add_parser("average", help="average the last N epoch checkpoints")
