@@ -19,6 +19,15 @@ Every graph has dynamic batch and length axes, opset 17, and passes
 whole beam search as one ONNX `Loop`; `encoder.onnx` + `decoder_step.onnx`
 are for runtimes that dislike `Loop`, driven by `export.onnx_beam_search`.
 
+`translate.onnx` is rewritten by `export.loop_invariants.hoist_loop_invariants`
+after conversion: the decoder weights that tf2onnx threads through the
+`Loop` state are read from the enclosing graph, and their per-step
+reshapes/transposes are done once (the same tokens; ~15% faster at batch 1).
+
+`export_onnx(..., quantization="int8", gate=...)` writes the same files with
+int8 matrix products (`export.quantization`), refused if the gate measures a
+larger validation BLEU drop than allowed.
+
 `translate_text.onnx` needs onnxruntime-extensions (`ai.onnx.contrib`
 domain): tf2onnx maps tf-text's SentencePiece tokenizer to its
 `SentencepieceTokenizer` (the tokenizer graph is merged in front of
@@ -37,6 +46,7 @@ from onnx import TensorProto, compose, helper
 
 from export.graphs import TranslationGraphs
 from export.layout import atomic_directory
+from export.loop_invariants import hoist_loop_invariants
 
 OPSET = 17
 CONTRIB_DOMAIN = "ai.onnx.contrib"
@@ -51,29 +61,65 @@ GRAPHS = {
 TEXT_GRAPH = "translate_text"
 
 
-def export_onnx(graphs, out_dir, overwrite=False, log=None):
+QUANTIZATIONS = ("float32", "int8")
+
+
+def export_onnx(graphs, out_dir, overwrite=False, log=None, quantization="float32", gate=None):
     """Writes the ONNX graphs of `graphs` (a `TranslationGraphs`) into `out_dir`; returns its path.
 
-    `log`, if given, is called with a line per graph written.
+    `quantization="int8"` writes int8 graphs (`export.quantization.quantize_int8`);
+    `gate`, if given, is called as `gate(float32_dir, int8_dir)` before the
+    directory appears (e.g. `export.quantization.BleuGate`): it returns a report
+    stored in `export.json` or raises to write nothing. `log`, if given, is
+    called with a line per graph written.
     """
     if not isinstance(graphs, TranslationGraphs):
         raise TypeError(f"graphs must be a TranslationGraphs; got {graphs!r}.")
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}; got {quantization!r}.")
     described = {}
     with atomic_directory(out_dir, overwrite=overwrite) as temporary:
-        models = {}
-        for stem in [*GRAPHS, TEXT_GRAPH]:
-            if stem == TEXT_GRAPH:
-                models[stem] = text_graph(graphs, models["translate"])
-            else:
-                models[stem] = convert(graphs, GRAPHS[stem])
-            onnx.checker.check_model(models[stem], full_check=True)
+        models = {stem: convert(graphs, function) for stem, function in GRAPHS.items()}
+        models["translate"] = hoist_loop_invariants(models["translate"])
+        extra = {"quantization": {"type": "float32"}}
+        if quantization == "int8":
+            models, extra = _int8(graphs, models, temporary, gate)
+        models[TEXT_GRAPH] = text_graph(graphs, models["translate"])
+        for stem, model in models.items():
+            onnx.checker.check_model(model, full_check=True)
             path = os.path.join(temporary, f"{stem}.onnx")
-            onnx.save(models[stem], path)
-            described[stem] = describe(models[stem])
+            onnx.save(model, path)
+            described[stem] = describe(model)
             if log is not None:
                 log(f"wrote {stem}.onnx ({os.path.getsize(path) / 1e6:.1f} MB)")
-        graphs.write_assets(temporary, opset=OPSET, graphs=described)
+        graphs.write_assets(temporary, opset=OPSET, graphs=described, **extra)
     return os.path.abspath(out_dir)
+
+
+def _int8(graphs, models, temporary, gate):
+    """The int8 graphs and their `export.json` entry; runs `gate` on float32 and int8 `translate.onnx`."""
+    import shutil
+
+    from export.quantization import count_quantized, quantize_int8
+
+    quantized = {stem: quantize_int8(model) for stem, model in models.items()}
+    integer, floating = count_quantized(quantized["translate"])
+    entry = {"type": "int8", "method": "onnxruntime.quantization.quantize_dynamic: MatMul weights "
+                                       "int8 per tensor, activations uint8 per call",
+             "translate_matmuls": {"int8": integer, "float32": floating}}
+    if gate is not None:
+        # Both translate.onnx side by side in hidden scratch directories inside the partial export.
+        directories = {name: os.path.join(temporary, f".gate-{name}") for name in QUANTIZATIONS}
+        for name, directory in directories.items():
+            graphs.write_assets(directory)
+            onnx.save((models if name == "float32" else quantized)["translate"],
+                      os.path.join(directory, "translate.onnx"))
+        try:
+            entry["gate"] = gate(directories["float32"], directories["int8"])
+        finally:
+            for directory in directories.values():
+                shutil.rmtree(directory, ignore_errors=True)
+    return quantized, {"quantization": entry}
 
 
 def convert(graphs, name, extra_opset=None):

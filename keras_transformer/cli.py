@@ -7,7 +7,7 @@
     keras-transformer evaluate  --model runs/NAME --data DATASET --split test
     keras-transformer export    --model runs/NAME --format saved_model|onnx|ctranslate2 --out DIR
                                 [--name NAME] [--version N] [--quantization float32|int8]
-                                [--overwrite]
+                                [--max-bleu-drop 1.0] [--force] [--overwrite]
     keras-transformer average   --model runs/NAME --last 5
     keras-transformer attention --model runs/NAME --text "A sentence." --out attention.png
     keras-transformer presets   [--vocab-size N]
@@ -163,9 +163,17 @@ def _export(args):
     from keras_transformer.run_directory import load_model, resolve_model
     from keras_transformer.validation import UserError
 
-    if args.quantization != "float32" and args.format != "ctranslate2":
-        raise UserError(f"--quantization {args.quantization} is available for --format ctranslate2 "
-                        f"only; {args.format} exports are float32.")
+    if args.quantization != "float32" and args.format == "saved_model":
+        raise UserError(f"--quantization {args.quantization} is available for --format onnx and "
+                        f"ctranslate2; saved_model exports are float32 (TF Serving has no int8 path "
+                        f"for them).")
+    gate_options = [flag for flag, given in (("--max-bleu-drop", args.max_bleu_drop is not None),
+                                             ("--force", args.force),
+                                             ("--gate-sentences", args.gate_sentences is not None))
+                    if given]
+    if gate_options and not (args.format == "onnx" and args.quantization == "int8"):
+        raise UserError(f"{' and '.join(gate_options)} only apply to --format onnx --quantization int8 "
+                        f"(the int8 check on validation BLEU).")
     run, model_path = resolve_model(args.model)
     name = check_model_name(args.name or os.path.basename(os.path.abspath(run.path)))
     # One exporter at a time per destination: the TF Serving base directory
@@ -218,10 +226,35 @@ def _write_export(args, graphs, name):
         def log(line):
             print(line, file=sys.stderr)
 
-        path = export_onnx(graphs, args.out, overwrite=args.overwrite, log=log)
-        print(f"Wrote the ONNX graphs to {path} in {time.perf_counter() - start:.0f}s.",
-              file=sys.stderr)
+        gate = _int8_gate(args, graphs, log) if args.quantization == "int8" else None
+        path = export_onnx(graphs, args.out, overwrite=args.overwrite, log=log,
+                           quantization=args.quantization, gate=gate)
+        print(f"Wrote the {args.quantization} ONNX graphs to {path} in "
+              f"{time.perf_counter() - start:.0f}s.", file=sys.stderr)
     return 0
+
+
+def _int8_gate(args, graphs, log):
+    """`export.quantization.BleuGate` on the run's validation pairs (or those of --data)."""
+    from export.quantization import DEFAULT_MAX_BLEU_DROP, BleuGate
+    from keras_transformer.data import load_corpus
+    from keras_transformer.run_directory import resolve_model
+    from keras_transformer.trainer import validation_pairs
+
+    run, _ = resolve_model(args.model)
+    options = run.settings()["options"]
+    data = args.data or options["data"]
+    data_dir = args.data_dir or (options.get("data_dir") if args.data is None else None)
+    corpus = load_corpus(data, data_dir, options.get("source_lang", "en"),
+                         options.get("target_lang", "de"))
+    sources, references = validation_pairs(corpus)
+    if args.gate_sentences:
+        sources, references = sources[: args.gate_sentences], references[: args.gate_sentences]
+    max_drop = DEFAULT_MAX_BLEU_DROP if args.max_bleu_drop is None else args.max_bleu_drop
+    log(f"int8: translating {len(sources)} validation pairs ({data}) with float32 and int8 to "
+        f"compare BLEU (allowed drop {max_drop:g})")
+    return BleuGate(sources, references, corpus.target_lang, max_drop=max_drop, force=args.force,
+                    log=log)
 
 
 def _average(args):
@@ -397,8 +430,19 @@ def build_parser():
     export.add_argument("--max-extra-length", type=int, default=50,
                         help="output length limit = source length + this (default 50)")
     export.add_argument("--format", required=True, choices=["saved_model", "onnx", "ctranslate2"])
-    export.add_argument("--quantization", choices=["float32", "int8"], default="float32",
-                        help="ctranslate2: the weights' type (default float32; int8: check BLEU first)")
+    export.add_argument("--quantization", "--quantize", choices=["float32", "int8"], default="float32",
+                        help="onnx, ctranslate2: the matrix weights' type (default float32). onnx int8 "
+                             "is checked on the validation pairs first (see --max-bleu-drop)")
+    export.add_argument("--max-bleu-drop", type=_non_negative_float,
+                        help="onnx int8: refuse to write int8 graphs that lose more validation "
+                             "sacreBLEU than this against float32 (default 1.0)")
+    export.add_argument("--force", action="store_true",
+                        help="onnx int8: write the int8 graphs even if they fail the BLEU check")
+    export.add_argument("--gate-sentences", type=_positive_int,
+                        help="onnx int8: check on the first N validation pairs (default: all)")
+    export.add_argument("--data", help="onnx int8: the corpus whose validation pairs are checked "
+                                       "(default: the run's)")
+    export.add_argument("--data-dir", help="onnx int8: its local copy (default: the run's)")
     export.add_argument("--out", required=True,
                         help="saved_model: the TF Serving base directory (writes OUT/NAME/VERSION and "
                              "OUT/models.config); onnx, ctranslate2: the directory to write")

@@ -386,6 +386,11 @@ def _train_tokenizer(train_pairs, vocab_size, log):
     return tokenizer
 
 
+def validation_pairs(corpus):
+    """`(sources, targets)` that training validates on: the corpus' val split, or its held-out tail."""
+    return _train_and_validation(corpus, lambda line: None)[1]
+
+
 def _train_and_validation(corpus, log):
     train_pairs = corpus["train"]
     if "val" in corpus.splits:

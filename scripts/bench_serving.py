@@ -1,28 +1,37 @@
-"""Serving speed, side by side in one run: the Keras model, the reloaded
-SavedModel, and ONNX Runtime (the full translate graph with its `Loop`, and
-the encoder + decoder-step pair driven by NumPy beam search).
+"""Serving speed and quality, side by side in one run, on the same weights and sentences:
+our SavedModel and ONNX Runtime graphs (float32 and int8) against CTranslate2 (float32 and int8).
 
-Every runtime does the whole job, text in and text out, with beam 4 and
-alpha 0.6:
+Every runtime does the whole job, text in and text out, with the same beam
+size and GNMT length penalty, 2 threads each:
 
-| runtime       | what runs                                                            |
-|---------------|----------------------------------------------------------------------|
-| keras         | `keras_transformer.Translator`: tf-text tokenization, beam search in one compiled `tf.function` (no XLA), detokenization |
-| saved_model   | `tf.saved_model.load(...).signatures["serving_default"]` (what TF Serving runs) |
-| onnx_full     | `export.onnx_runtime.OnnxTranslator(mode="full")`: sentencepiece + `translate.onnx` |
-| onnx_split    | `OnnxTranslator(mode="split")`: sentencepiece + `encoder.onnx` / `decoder_step.onnx` |
+| runtime             | what runs |
+|---------------------|-----------|
+| keras               | `keras_transformer.Translator`: tf-text tokenization, beam search in one `tf.function` (no XLA) |
+| saved_model         | `serving_default` of the exported SavedModel (what TF Serving runs; no XLA) |
+| onnx_full (before)  | `translate.onnx` as tf2onnx converts it: the weights ride in the `Loop` state |
+| onnx_full           | `translate.onnx` as exported now (`export.loop_invariants`: weights hoisted out of the `Loop`) |
+| onnx_split          | `encoder.onnx` + `decoder_step.onnx` driven by the NumPy beam search |
+| onnx_int8           | `export --format onnx --quantization int8`, full graph |
+| ct2_float32         | `export --format ctranslate2`, `CTranslate2Translator` (GNMT re-ranking of the n-best; batches split by source length for exact parity) |
+| ct2_int8            | the same with `--quantization int8` |
+| ct2_native_float32  | CTranslate2's own search on the same batches: one `translate_batch` per batch, its own length penalty (score / length^α): the engine's speed without our parity constraints |
+| ct2_native_int8     | the same, int8 |
 
-First all four translate the same sentences and must give identical
-translations (checked again on every timed translation; the script stops
-before printing timings if they differ). Then:
-latency at batch 1 (median and 90th percentile over `--single` sentences,
-each translated alone) and throughput at batch 32 (sentences/s over
-`--batches` batches). The `translate_text.onnx` text graph is not timed: its
-SentencePiece custom op crashes in a process that has loaded TensorFlow
-(`export.onnx_runtime.make_session`).
+Checks before any timing is printed: the float32 runtimes of ours must give
+the same translations as Keras on every sentence; CTranslate2 float32 (parity
+mode) must agree on at least 95% (it stops hypotheses at the length limit
+differently; `export/ctranslate2.py`); int8 and native rows report their BLEU
+instead.
 
-    python scripts/bench_serving.py [--model runs/multi30k-small] [--data-dir ../shared/data/multi30k]
-                                    [--single 30] [--batches 4] [--json bench_results/serving.json]
+Timing: batch 1 latency (median, p90) over `--single` sentences, each
+translated alone by every runtime in turn; batch 32 target tokens/s over the
+whole `--split`, sorted by length and cut into batches of 32, every batch
+translated by every runtime in turn (interleaved, so the machine's noise falls
+on all rows alike). The same pass gives each runtime's sacreBLEU on the split.
+
+    python scripts/bench_serving.py [--model runs/multi30k] [--data-dir ../shared/data/multi30k]
+        [--split test2016] [--single 30] [--beam-size 4] [--length-penalty 0.6]
+        [--threads 2] [--json bench_results/serving.json]
 """
 
 import argparse
@@ -38,125 +47,212 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
-
-from export.graphs import TranslationGraphs  # noqa: E402
-from export.onnx import export_onnx  # noqa: E402
-from export.onnx_runtime import OnnxTranslator  # noqa: E402
-from export.saved_model import export_saved_model  # noqa: E402
-from keras_transformer.run_directory import load_model, resolve_model  # noqa: E402
-from keras_transformer.translator import Translator  # noqa: E402
-from keras_transformer.validation import UserError  # noqa: E402
 
 BATCH = 32
+EXACT = ("saved_model", "onnx_full (before)", "onnx_full", "onnx_split")
 
 
-def runtimes(model, tokenizer, directory):
-    """`{name: translate(list of str) -> list of str}` for the four runtimes."""
-    graphs = TranslationGraphs(model, tokenizer)
+def _threads(count):
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(count)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+
+
+def runtimes(model, tokenizer, directory, args):
+    """`{name: translate(list of str) -> list of str}`."""
+    import onnx
+    import tensorflow as tf
+
+    from export.ctranslate2 import CTranslate2Translator, export_ctranslate2
+    from export.graphs import TranslationGraphs
+    from export.onnx import convert, export_onnx
+    from export.onnx_runtime import OnnxTranslator
+    from export.saved_model import export_saved_model
+    from keras_transformer.translator import Translator
+
+    settings = dict(beam_size=args.beam_size, length_penalty=args.length_penalty)
+    graphs = TranslationGraphs(model, tokenizer, **settings)
     saved = export_saved_model(graphs, os.path.join(directory, "serving"), "bench")
     onnx_dir = export_onnx(graphs, os.path.join(directory, "onnx"))
-    keras_translator = Translator(model, tokenizer, batch_size=BATCH)
+    int8_dir = export_onnx(graphs, os.path.join(directory, "onnx-int8"), quantization="int8")
+    before_dir = os.path.join(directory, "onnx-before")  # the same export, translate.onnx unhoisted
+    os.makedirs(before_dir)
+    for name in ("export.json", "tokenizer.model"):
+        with open(os.path.join(onnx_dir, name), "rb") as source, \
+                open(os.path.join(before_dir, name), "wb") as target:
+            target.write(source.read())
+    onnx.save(convert(graphs, "translate_ids"), os.path.join(before_dir, "translate.onnx"))
+    ct2 = {q: export_ctranslate2(model, tokenizer, os.path.join(directory, f"ct2-{q}"), quantization=q,
+                                 **settings) for q in ("float32", "int8")}
+
+    keras_translator = Translator(model, tokenizer, batch_size=BATCH, **settings)
     signature = tf.saved_model.load(saved).signatures["serving_default"]
-    full = OnnxTranslator(onnx_dir, "full", batch_size=BATCH)
-    split = OnnxTranslator(onnx_dir, "split", batch_size=BATCH)
+    onnx_runtimes = {
+        "onnx_full (before)": OnnxTranslator(before_dir, "full", BATCH, args.threads),
+        "onnx_full": OnnxTranslator(onnx_dir, "full", BATCH, args.threads),
+        "onnx_split": OnnxTranslator(onnx_dir, "split", BATCH, args.threads),
+        "onnx_int8": OnnxTranslator(int8_dir, "full", BATCH, args.threads),
+    }
+    ct2_translators = {q: CTranslate2Translator(path, intra_threads=args.threads, batch_size=BATCH)
+                       for q, path in ct2.items()}
 
     def saved_model(sentences):
         out = signature(text=tf.constant(sentences))["translation"].numpy()
         return [t.decode("utf-8") for t in out]
 
-    return {
-        "keras": lambda s: keras_translator.translate(s)[0],
-        "saved_model": saved_model,
-        "onnx_full": lambda s: full.translate(s)[0],
-        "onnx_split": lambda s: split.translate(s)[0],
-    }
+    def native(translator):
+        def translate(sentences):
+            tokens = translator.tokenize(sentences)
+            limit = max(1, min(max(map(len, tokens)) + 1 + translator.max_extra_length,
+                               translator.max_length) - 1)
+            outputs = translator.translator.translate_batch(
+                tokens, beam_size=args.beam_size, length_penalty=args.length_penalty,
+                max_decoding_length=limit, suppress_sequences=translator.never)
+            return [translator.processor.decode_pieces(o.hypotheses[0]) for o in outputs]
+        return translate
+
+    result = {"keras": lambda s: keras_translator.translate(s)[0], "saved_model": saved_model}
+    result.update({name: (lambda t: lambda s: t.translate(s)[0])(t) for name, t in onnx_runtimes.items()})
+    for q, translator in ct2_translators.items():
+        result[f"ct2_{q}"] = (lambda t: lambda s: t.translate(s)[0])(translator)
+    for q, translator in ct2_translators.items():
+        result[f"ct2_native_{q}"] = native(translator)
+    sizes = {name: sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)
+                       if f.endswith((".onnx", ".bin")))
+             for name, path in (("onnx_full", onnx_dir), ("onnx_int8", int8_dir),
+                                ("ct2_float32", ct2["float32"]), ("ct2_int8", ct2["int8"]))}
+    return result, sizes
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="runs/multi30k-small",
-                        help="a trained run directory or .keras file (default runs/multi30k-small)")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="runs/multi30k",
+                        help="a trained run directory or .keras file (default runs/multi30k, the recipe's)")
     parser.add_argument("--data-dir", default=os.path.join("..", "shared", "data", "multi30k"))
     parser.add_argument("--split", default="test2016")
     parser.add_argument("--single", type=int, default=30, help="sentences timed at batch 1")
-    parser.add_argument("--batches", type=int, default=4, help="batches of 32 timed")
+    parser.add_argument("--limit", type=int, help="only the first N sentences of the split at batch 32")
+    parser.add_argument("--beam-size", type=int, default=4)
+    parser.add_argument("--length-penalty", type=float, default=0.6)
+    parser.add_argument("--threads", type=int, default=2, help="threads per runtime (default 2)")
     parser.add_argument("--json", default="bench_results/serving.json")
     args = parser.parse_args()
+    _threads(args.threads)
+
+    import sacrebleu
+    import tensorflow as tf
+
+    from keras_transformer.run_directory import load_model, resolve_model
+    from keras_transformer.validation import UserError
 
     try:
         run, model_path = resolve_model(args.model)
     except UserError as error:
-        raise SystemExit(f"bench_serving: {error} Train a small model first "
+        raise SystemExit(f"bench_serving: {error} Train a model first "
                          f"(scripts/reproduce_multi30k.sh) or pass --model.") from None
     model, tokenizer = load_model(model_path), run.tokenizer()
-    with open(os.path.join(args.data_dir, f"{args.split}.{run.settings()['options']['source_lang']}"),
-              encoding="utf-8") as handle:
-        sentences = [line.rstrip("\n") for line in handle]
-    single = sentences[: args.single]
-    batched = sentences[args.single: args.single + BATCH * args.batches]
+    options = run.settings()["options"]
+
+    def read(lang):
+        with open(os.path.join(args.data_dir, f"{args.split}.{lang}"), encoding="utf-8") as handle:
+            return [line.rstrip("\n") for line in handle]
+
+    sources, references = read(options["source_lang"]), read(options["target_lang"])
+    if args.limit:
+        sources, references = sources[: args.limit], references[: args.limit]
+    single = sources[: args.single]
+    order = np.argsort([len(ids) for ids in tokenizer.processor.encode(sources)], kind="stable")
+    batches = [[int(i) for i in order[start: start + BATCH]] for start in range(0, len(order), BATCH)]
 
     with tempfile.TemporaryDirectory() as directory:
         start = time.perf_counter()
-        translate = runtimes(model, tokenizer, directory)
+        translate, sizes = runtimes(model, tokenizer, directory, args)
         export_seconds = time.perf_counter() - start
+        print(f"Exported in {export_seconds:.0f}s; warming up.", flush=True)
+        warm = [sources[i] for i in batches[len(batches) // 2]]
+        outputs = {name: f(warm) + [f([s])[0] for s in single[:3]] for name, f in translate.items()}
+        disagree = [name for name in EXACT if outputs[name] != outputs["keras"]]
+        if disagree:
+            raise SystemExit(f"bench_serving: {disagree} translate differently from Keras; no timings.")
 
-        # Same translations everywhere (this also warms up / traces every runtime).
-        outputs = {name: f(batched[:BATCH]) + [f([s])[0] for s in single[:3]]
-                   for name, f in translate.items()}
-        reference = outputs["keras"]
-        agreement = {name: sum(a == b for a, b in zip(reference, texts))
-                     for name, texts in outputs.items()}
-        print(f"Identical translations ({len(reference)} sentences): {agreement}")
-        if any(count != len(reference) for count in agreement.values()):
-            raise SystemExit("bench_serving: the runtimes disagree; no timings printed.")
-
-        results, timed_outputs = {}, {}
-        for name, f in translate.items():
-            latencies, texts = [], []
-            for sentence in single:
+        latencies = {name: [] for name in translate}
+        for sentence in single:
+            for name, f in translate.items():
                 tick = time.perf_counter()
-                texts += f([sentence])
-                latencies.append(time.perf_counter() - tick)
-            tick = time.perf_counter()
-            for b in range(args.batches):
-                texts += f(batched[b * BATCH:(b + 1) * BATCH])
-            seconds = time.perf_counter() - tick
-            timed_outputs[name] = texts
-            results[name] = {
-                "batch1_median_ms": 1000 * statistics.median(latencies),
-                "batch1_p90_ms": 1000 * float(np.percentile(latencies, 90)),
-                "batch32_sentences_per_s": len(batched) / seconds,
-            }
-            print(f"  timed {name}", flush=True)
+                f([sentence])
+                latencies[name].append(time.perf_counter() - tick)
+        print("  batch 1 timed", flush=True)
+        texts = {name: [None] * len(sources) for name in translate}
+        seconds = dict.fromkeys(translate, 0.0)
+        for batch in batches:
+            chunk = [sources[i] for i in batch]
+            for name, f in translate.items():
+                tick = time.perf_counter()
+                out = f(chunk)
+                seconds[name] += time.perf_counter() - tick
+                for i, text in zip(batch, out):
+                    texts[name][i] = text
+        print("  batch 32 timed", flush=True)
 
-    # The timed runs, too, must have translated identically.
-    agreement = {name: sum(a == b for a, b in zip(timed_outputs["keras"], texts))
-                 for name, texts in timed_outputs.items()}
-    print(f"Identical translations in the timed runs ({len(timed_outputs['keras'])} sentences): "
-          f"{agreement}")
-    if any(count != len(timed_outputs["keras"]) for count in agreement.values()):
-        raise SystemExit("bench_serving: the runtimes disagree; no timings printed.")
-    base = results["saved_model"]
-    print(f"\nModel {model_path} ({model.count_params():,} parameters), beam 4, alpha 0.6; "
-          f"{len(single)} sentences at batch 1, {len(batched)} at batch {BATCH}; "
+    reference = texts["keras"]
+    identical = {name: sum(a == b for a, b in zip(reference, t)) for name, t in texts.items()}
+    exact_failures = [name for name in EXACT if identical[name] != len(sources)]
+    if exact_failures:
+        raise SystemExit(f"bench_serving: {exact_failures} disagree with Keras on the split "
+                         f"({identical}); no timings printed.")
+    if identical["ct2_float32"] < 0.95 * len(sources):
+        raise SystemExit(f"bench_serving: CTranslate2 float32 agrees on only "
+                         f"{identical['ct2_float32']}/{len(sources)}; no timings printed.")
+    results = {}
+    for name in translate:
+        tokens = sum(len(ids) + 1 for ids in tokenizer.processor.encode(texts[name]))  # + EOS
+        results[name] = {
+            "identical_to_keras": identical[name],
+            "bleu": round(sacrebleu.corpus_bleu(texts[name], [references]).score, 2),
+            "batch1_median_ms": 1000 * statistics.median(latencies[name]),
+            "batch1_p90_ms": 1000 * float(np.percentile(latencies[name], 90)),
+            "batch32_seconds": seconds[name],
+            "batch32_target_tokens_per_s": tokens / seconds[name],
+            "batch32_sentences_per_s": len(sources) / seconds[name],
+        }
+    base, ct2_float, ct2_int8 = results["onnx_full (before)"], results["ct2_float32"], results["ct2_int8"]
+    print(f"\nModel {model_path} ({model.count_params():,} parameters), beam {args.beam_size}, "
+          f"alpha {args.length_penalty}, {args.threads} threads per runtime; {len(single)} sentences at "
+          f"batch 1, {len(sources)} ({args.split}) at batch {BATCH}, sorted by length; "
           f"{os.cpu_count()} CPU cores.\n")
-    print("| runtime | batch 1 median ms | batch 1 p90 ms | vs SavedModel (batch 1) "
-          "| batch 32 sentences/s | vs SavedModel (batch 32) |")
-    print("|---|---|---|---|---|---|")
+    print("| runtime | identical to Keras | BLEU | batch 1 median ms | p90 ms | batch 32 target tok/s "
+          "| vs ONNX before (b1, b32) | vs CT2 float32 (b1, b32) |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
-        r["batch1_speedup_vs_saved_model"] = base["batch1_median_ms"] / r["batch1_median_ms"]
-        r["batch32_speedup_vs_saved_model"] = r["batch32_sentences_per_s"] / base["batch32_sentences_per_s"]
-        print(f"| {name} | {r['batch1_median_ms']:.0f} | {r['batch1_p90_ms']:.0f} | "
-              f"{r['batch1_speedup_vs_saved_model']:.2f}x | {r['batch32_sentences_per_s']:.1f} | "
-              f"{r['batch32_speedup_vs_saved_model']:.2f}x |")
+        r["vs_onnx_before"] = [base["batch1_median_ms"] / r["batch1_median_ms"],
+                               base["batch32_seconds"] / r["batch32_seconds"]]
+        r["vs_ct2_float32"] = [ct2_float["batch1_median_ms"] / r["batch1_median_ms"],
+                               ct2_float["batch32_seconds"] / r["batch32_seconds"]]
+        print(f"| {name} | {r['identical_to_keras']}/{len(sources)} | {r['bleu']:.2f} | "
+              f"{r['batch1_median_ms']:.0f} | {r['batch1_p90_ms']:.0f} | "
+              f"{r['batch32_target_tokens_per_s']:.0f} | {r['vs_onnx_before'][0]:.2f}x, "
+              f"{r['vs_onnx_before'][1]:.2f}x | {r['vs_ct2_float32'][0]:.2f}x, "
+              f"{r['vs_ct2_float32'][1]:.2f}x |")
+    goals = {
+        "onnx_full >= 0.9x ct2_float32": results["onnx_full"]["vs_ct2_float32"],
+        "onnx_int8 >= 0.9x ct2_int8": [ct2_int8["batch1_median_ms"] / results["onnx_int8"]["batch1_median_ms"],
+                                       ct2_int8["batch32_seconds"] / results["onnx_int8"]["batch32_seconds"]],
+        "saved_model >= 0.5x ct2_float32": results["saved_model"]["vs_ct2_float32"],
+    }
+    print("\nIssue 17's goals (batch 1, batch 32):")
+    for goal, (b1, b32) in goals.items():
+        print(f"  {goal}: {b1:.2f}x, {b32:.2f}x")
+    print(f"\nModel files: {', '.join(f'{k} {v / 1e6:.1f} MB' for k, v in sizes.items())}")
     report = {
         "model": str(model_path), "parameters": model.count_params(), "split": args.split,
-        "single_sentences": len(single), "batched_sentences": len(batched), "batch": BATCH,
-        "identical_translations": agreement, "export_seconds": export_seconds,
-        "cpu_count": os.cpu_count(), "machine": platform.platform(),
-        "tensorflow": tf.__version__, "onnxruntime": __import__("onnxruntime").__version__,
-        "results": results,
+        "beam_size": args.beam_size, "length_penalty": args.length_penalty, "threads": args.threads,
+        "single_sentences": len(single), "batched_sentences": len(sources), "batch": BATCH,
+        "export_seconds": export_seconds, "model_bytes": sizes, "goals": goals,
+        "cpu_count": os.cpu_count(), "machine": platform.platform(), "tensorflow": tf.__version__,
+        "onnxruntime": __import__("onnxruntime").__version__,
+        "ctranslate2": __import__("ctranslate2").__version__, "results": results,
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w", encoding="utf-8") as handle:

@@ -97,3 +97,17 @@ def small_corpus(synthetic_files, tmp_path_factory):
         lines = path.read_text(encoding="utf-8").splitlines()[:320]
         (directory / path.name).write_text("\n".join(lines) + "\n", encoding="utf-8")
     return "files:{},{}".format(*(directory / path.name for path in synthetic_files))
+
+
+@pytest.fixture(scope="session")
+def exported(trained_run, tmp_path_factory):
+    """`keras-transformer export` of the tiny run, both formats: `(serving base dir, onnx dir)`."""
+    from keras_transformer import cli
+
+    directory = tmp_path_factory.mktemp("exports")
+    serving, onnx_dir = directory / "serving", directory / "onnx"
+    assert cli.main(["export", "--model", str(trained_run), "--format", "saved_model",
+                     "--out", str(serving), "--name", "tiny"]) == 0
+    assert cli.main(["export", "--model", str(trained_run), "--format", "onnx",
+                     "--out", str(onnx_dir)]) == 0
+    return serving, onnx_dir

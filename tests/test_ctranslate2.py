@@ -160,9 +160,12 @@ def test_command_line_translation_and_int8(exports, sentences, run_parts):
 
 def test_refusals(trained_run, run_parts, tmp_path, capsys):
     model, tokenizer = run_parts
-    assert cli.main(["export", "--model", str(trained_run), "--format", "onnx",
+    assert cli.main(["export", "--model", str(trained_run), "--format", "saved_model",
                      "--quantization", "int8", "--out", str(tmp_path / "x")]) == 2
-    assert "--format ctranslate2 only" in capsys.readouterr().err
+    assert "saved_model exports are float32" in capsys.readouterr().err
+    assert cli.main(["export", "--model", str(trained_run), "--format", "ctranslate2",
+                     "--max-bleu-drop", "2", "--out", str(tmp_path / "x")]) == 2
+    assert "--max-bleu-drop only apply to --format onnx --quantization int8" in capsys.readouterr().err
     other = Transformer.from_preset("tiny", vocab_size=tokenizer.vocab_size + 5)
     with pytest.raises(UserError, match="do not belong together"):
         export_ctranslate2(other, tokenizer, tmp_path / "y")

@@ -35,18 +35,6 @@ def sentences(synthetic_files):
 
 
 @pytest.fixture(scope="module")
-def exported(trained_run, tmp_path_factory):
-    """`keras-transformer export` of the tiny run, both formats."""
-    directory = tmp_path_factory.mktemp("exports")
-    serving, onnx_dir = directory / "serving", directory / "onnx"
-    assert cli.main(["export", "--model", str(trained_run), "--format", "saved_model",
-                     "--out", str(serving), "--name", "tiny"]) == 0
-    assert cli.main(["export", "--model", str(trained_run), "--format", "onnx",
-                     "--out", str(onnx_dir)]) == 0
-    return serving, onnx_dir
-
-
-@pytest.fixture(scope="module")
 def cli_translations(trained_run, sentences):
     """What `keras-transformer translate` prints for the sentences."""
     completed = subprocess.run(

@@ -1,0 +1,165 @@
+"""ONNX graph rewriting and int8: loop invariants hoisted out of the beam
+search's `Loop` without changing its results; `export --format onnx
+--quantization int8` writes int8 matrix products only after a validation-BLEU
+check against float32, and refuses (writing nothing) when int8 loses too much."""
+
+import json
+import shutil
+
+import numpy as np
+import onnx
+import onnxruntime
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from export.loop_invariants import count_nodes, hoist_loop_invariants
+from export.onnx_runtime import OnnxTranslator
+from export.quantization import BleuGate, QuantizationRefused, count_quantized
+from keras_transformer import cli
+
+
+def _loop_model():
+    """y = x @ reshape(w) applied `n` times in a `Loop` that carries `w` unchanged (as tf2onnx does)."""
+    weight = np.arange(16, dtype=np.float32).reshape(2, 8) / 16.0
+    body = helper.make_graph(
+        [helper.make_node("Reshape", ["w_in", "shape"], ["w_square"]),
+         helper.make_node("MatMul", ["x_in", "w_square"], ["x_out"]),
+         helper.make_node("Identity", ["cond_in"], ["cond_out"])],
+        "body",
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+         helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("x_in", TensorProto.FLOAT, [1, 4]),
+         helper.make_tensor_value_info("w_in", TensorProto.FLOAT, [2, 8])],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("x_out", TensorProto.FLOAT, [1, 4]),
+         helper.make_tensor_value_info("w_in", TensorProto.FLOAT, [2, 8])],
+        initializer=[numpy_helper.from_array(np.array([4, 4], np.int64), "shape")])
+    graph = helper.make_graph(
+        [helper.make_node("Loop", ["n", "", "x", "w"], ["x_final", "w_final"], body=body),
+         helper.make_node("Identity", ["x_final"], ["y"])],
+        "loop", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4]),
+                 helper.make_tensor_value_info("n", TensorProto.INT64, [])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
+        initializer=[numpy_helper.from_array(weight, "w")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _run(model, **feeds):
+    session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)[0]
+
+
+def test_hoisting_reads_weights_from_outside_the_loop_and_keeps_the_results():
+    model = _loop_model()
+    x, n = np.array([[1.0, -2.0, 0.5, 3.0]], np.float32), np.array(3, np.int64)
+    before = _run(model, x=x, n=n)
+    hoisted = hoist_loop_invariants(_loop_model())
+    onnx.checker.check_model(hoisted, full_check=True)
+    loop = next(node for node in hoisted.graph.node if node.op_type == "Loop")
+    body = loop.attribute[0].g
+    assert list(loop.input) == ["n", "", "x"] and list(loop.output) == ["x_final"]
+    assert [node.op_type for node in body.node] == ["MatMul", "Identity"]  # the Reshape runs once
+    assert count_nodes(hoisted) == (2, 2)
+    matmul = body.node[0]
+    assert matmul.input[1] in {init.name for init in hoisted.graph.initializer}
+    np.testing.assert_array_equal(_run(hoisted, x=x, n=n), before)
+
+
+# `export.onnx.convert` (tf2onnx) is tested by tests/test_export.py; here it returns the graphs
+# that test's float32 export wrote, so that these tests pay for quantization and the gate only.
+CONVERTED = {"forward": "forward", "translate_ids": "translate", "encode": "encoder",
+             "decoder_step": "decoder_step"}
+
+
+@pytest.fixture(scope="module")
+def converted(exported):
+    import export.onnx
+
+    real = export.onnx.convert
+
+    def convert(graphs, name, extra_opset=None):
+        if name in CONVERTED:
+            return onnx.load(str(exported[1] / f"{CONVERTED[name]}.onnx"))
+        return real(graphs, name, extra_opset)  # the text graph's tokenizer part
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(export.onnx, "convert", convert)
+        yield exported[1]
+
+
+@pytest.fixture(scope="module")
+def int8_export(trained_run, converted, tmp_path_factory):
+    """`export --format onnx --quantization int8` of the tiny run (the gate on its 40 held-out pairs)."""
+    out = tmp_path_factory.mktemp("int8") / "onnx-int8"
+    assert cli.main(["export", "--model", str(trained_run), "--format", "onnx", "--quantize", "int8",
+                     "--out", str(out)]) == 0
+    return out
+
+
+def test_int8_export_quantizes_the_loop_and_records_the_bleu_check(int8_export, converted):
+    translate = onnx.load(str(int8_export / "translate.onnx"))
+    integer, floating = count_quantized(translate)
+    # tiny: 2+2 layers -> encoder 2x(4 attention + 2 feed-forward) + cross K/V 2x2, and in the
+    # Loop 2x(4 + 2 + 2) + the output projection; the float MatMuls are the attention products.
+    assert integer == 12 + 4 + 17 and floating == 2 * 2 + 2 * 4, (integer, floating)
+    metadata = json.loads((int8_export / "export.json").read_text())
+    entry = metadata["quantization"]
+    assert entry["type"] == "int8" and entry["translate_matmuls"] == {"int8": integer, "float32": floating}
+    gate = entry["gate"]
+    assert gate["sentences"] == 40 and gate["passed"] and not gate["forced"]
+    assert gate["bleu_drop"] == pytest.approx(gate["bleu_float32"] - gate["bleu_int8"], abs=0.02)
+    assert gate["bleu_drop"] <= gate["max_bleu_drop"] == 1.0
+    assert 0 <= gate["identical_translations"] <= 40
+    assert json.loads((converted / "export.json").read_text())["quantization"] == {"type": "float32"}
+
+
+def test_int8_graphs_translate_in_every_mode(int8_export, synthetic_files):
+    sentences = synthetic_files[0].read_text(encoding="utf-8").splitlines()[-20:]
+    full = OnnxTranslator(str(int8_export), "full").translate(sentences)
+    split = OnnxTranslator(str(int8_export), "split").translate(sentences)
+    assert all(full[0]) and full[0] == split[0]
+    np.testing.assert_allclose(full[1], split[1], atol=1e-4)
+
+
+def _break_projection(directory):
+    """Negates the int8 output projection (the weights shaped (d_model, vocab)) of translate.onnx."""
+    path = directory / "translate.onnx"
+    model = onnx.load(str(path))
+    vocab = json.loads((directory / "export.json").read_text())["model"]["vocab_size"]
+    broken = 0
+    for init in model.graph.initializer:
+        if init.dims and init.dims[-1] == vocab and init.data_type == TensorProto.INT8:
+            init.CopyFrom(numpy_helper.from_array(-numpy_helper.to_array(init), init.name))
+            broken += 1
+    assert broken == 1
+    onnx.save(model, str(path))
+
+
+def test_gate_refuses_a_large_drop_unless_forced(int8_export, converted, tmp_path, synthetic_files):
+    broken = tmp_path / "broken"
+    shutil.copytree(int8_export, broken)
+    _break_projection(broken)
+    sources = synthetic_files[0].read_text(encoding="utf-8").splitlines()[-40:]
+    # References: the float32 graphs' own translations, so float32 scores 100 and a broken
+    # int8 model falls far below it (the 3-epoch tiny model is too weak for real references).
+    references = OnnxTranslator(str(converted), "full").translate(sources)[0]
+    gate = BleuGate(sources, references, max_drop=1.0)
+    with pytest.raises(QuantizationRefused, match=r"int8 loses .* BLEU on 40 validation pairs "
+                                                  r"\(float32 100.00, .*nothing written"):
+        gate(str(converted), str(broken))
+    report = BleuGate(sources, references, max_drop=1.0, force=True)(str(converted), str(broken))
+    assert report["forced"] and not report["passed"] and report["bleu_drop"] > 1.0
+    assert report["bleu_float32"] == 100.0
+
+
+def test_refused_int8_export_writes_nothing(trained_run, converted, tmp_path, monkeypatch, capsys):
+    def refuse(self, float_dir, int8_dir):
+        raise QuantizationRefused("int8 loses 9.99 BLEU on 40 validation pairs; nothing written.")
+
+    monkeypatch.setattr(BleuGate, "__call__", refuse)
+    out = tmp_path / "int8"
+    assert cli.main(["export", "--model", str(trained_run), "--format", "onnx", "--quantization",
+                     "int8", "--max-bleu-drop", "0.5", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "int8 loses 9.99 BLEU" in err and "Traceback" not in err
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if not p.name.endswith(".lock")]
