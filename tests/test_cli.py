@@ -127,6 +127,7 @@ def test_mirrored_strategy_trains_through_the_cli(trained_run):
     assert [entry["epoch"] for entry in metrics["epochs"]] == [1, 2, 3]
     # --val-bleu 8: a greedy BLEU on 8 validation pairs after every epoch.
     assert all(0 <= entry["val_bleu"] <= 100 for entry in metrics["epochs"])
+    assert all(entry["val_bleu_seconds"] > 0 for entry in metrics["epochs"])
     # --average-last 2 wrote averaged.keras from epochs 2 and 3 (checked in
     # test_average_is_the_mean_of_the_checkpoints).
     assert metrics["averaged"] == [2, 3]
