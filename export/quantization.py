@@ -2,7 +2,7 @@
 
 `quantize_int8` applies `onnxruntime.quantization.quantize_dynamic` to the
 matrix products with a constant weight: every `MatMul` of the encoder, of the
-decoder (inside the beam search's `Loop` too: `export.loop_invariants` first
+decoder (inside the beam search's `Loop` too: `export.graph_rewrites` first
 makes its weights visible as initializers) and the output projection. Weights
 become per-tensor symmetric int8; activations are quantized to uint8 on the fly
 (`DynamicQuantizeLinear` + `MatMulInteger`). The attention products

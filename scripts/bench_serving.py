@@ -8,8 +8,8 @@ size and GNMT length penalty, 2 threads each:
 |---------------------|-----------|
 | keras               | `keras_transformer.Translator`: tf-text tokenization, beam search in one `tf.function` (no XLA) |
 | saved_model         | `serving_default` of the exported SavedModel (what TF Serving runs; no XLA) |
-| onnx_full (before)  | `translate.onnx` as tf2onnx converts it: the weights ride in the `Loop` state |
-| onnx_full           | `translate.onnx` as exported now (`export.loop_invariants`: weights hoisted out of the `Loop`) |
+| onnx_full (before)  | `translate.onnx` as tf2onnx converts it (the export before `export.graph_rewrites`) |
+| onnx_full           | `translate.onnx` as exported now (`export.graph_rewrites.simplify`: weights out of the `Loop`, one `MatMul` per projection) |
 | onnx_split          | `encoder.onnx` + `decoder_step.onnx` driven by the NumPy beam search |
 | onnx_int8           | `export --format onnx --quantization int8`, full graph |
 | ct2_float32         | `export --format ctranslate2`, `CTranslate2Translator` (GNMT re-ranking of the n-best; batches split by source length for exact parity) |

@@ -12,7 +12,7 @@ import onnxruntime
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from export.loop_invariants import count_nodes, hoist_loop_invariants
+from export.graph_rewrites import collapse_tensordots, count_nodes, hoist_loop_invariants
 from export.onnx_runtime import OnnxTranslator
 from export.quantization import BleuGate, QuantizationRefused, count_quantized
 from keras_transformer import cli
@@ -163,3 +163,36 @@ def test_refused_int8_export_writes_nothing(trained_run, converted, tmp_path, mo
     err = capsys.readouterr().err
     assert "int8 loses 9.99 BLEU" in err and "Traceback" not in err
     assert not out.exists() and not [p for p in tmp_path.iterdir() if not p.name.endswith(".lock")]
+
+
+def _tensordot_model():
+    """y = tensordot(x, w, 1) as tf2onnx converts it: Shape/Gather/Concat/Reshape/MatMul/Reshape."""
+    weight = np.linspace(-1, 1, 4 * 3, dtype=np.float32).reshape(4, 3)
+    constant = lambda name, values: numpy_helper.from_array(np.array(values, np.int64), name)  # noqa: E731
+    nodes = [
+        helper.make_node("Shape", ["x"], ["x_shape"]),
+        helper.make_node("Gather", ["x_shape", "free"], ["free_dims"], axis=0),
+        helper.make_node("Concat", ["free_dims", "width"], ["out_shape"], axis=0),
+        helper.make_node("Reshape", ["x", "flat"], ["x_flat"]),
+        helper.make_node("MatMul", ["x_flat", "w"], ["y_flat"]),
+        helper.make_node("Reshape", ["y_flat", "out_shape"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "tensordot", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "t", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", "t", 3])],
+        initializer=[numpy_helper.from_array(weight, "w"), constant("free", [0, 1]),
+                     constant("width", [3]), constant("flat", [-1, 4])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_a_tensordot_chain_becomes_one_matmul_with_the_same_result():
+    x = np.random.default_rng(0).normal(size=(2, 5, 4)).astype(np.float32)
+    before = _run(_tensordot_model(), x=x)
+    collapsed = collapse_tensordots(_tensordot_model())
+    onnx.checker.check_model(collapsed, full_check=True)
+    assert [(node.op_type, list(node.input)) for node in collapsed.graph.node] == [("MatMul", ["x", "w"])]
+    np.testing.assert_array_equal(_run(collapsed, x=x), before)
+    # A chain that flattens to something else than (rows, weight height) is left alone.
+    other = _tensordot_model()
+    other.graph.initializer[3].CopyFrom(numpy_helper.from_array(np.array([-1, 2], np.int64), "flat"))
+    assert len(collapse_tensordots(other).graph.node) == 6
