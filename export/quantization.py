@@ -22,6 +22,7 @@ write the int8 graphs when BLEU falls by more than `max_drop`
 `export.json` either way.
 """
 
+import logging
 import os
 import tempfile
 import time
@@ -36,11 +37,20 @@ def quantize_int8(model):
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    with tempfile.TemporaryDirectory() as directory:
-        path = os.path.join(directory, "int8.onnx")
-        quantize_dynamic(model, path, weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"],
-                         extra_options={"EnableSubgraph": True})
-        quantized = onnx.load(path)
+    # quantize_dynamic logs advice about static quantization's pre-processing on the root
+    # logger; it does not apply to dynamic quantization of a converted graph.
+    advice = logging.Filter()
+    advice.filter = lambda record: "pre-processing before quantization" not in record.getMessage()
+    root = logging.getLogger()
+    root.addFilter(advice)
+    try:
+        with tempfile.TemporaryDirectory() as directory:
+            path = os.path.join(directory, "int8.onnx")
+            quantize_dynamic(model, path, weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"],
+                             extra_options={"EnableSubgraph": True})
+            quantized = onnx.load(path)
+    finally:
+        root.removeFilter(advice)
     quantized.doc_string = model.doc_string + " (int8)"
     return quantized
 

@@ -1,0 +1,96 @@
+"""Where `translate.onnx`'s time goes in ONNX Runtime: its profiler, summed by op type.
+
+Translates `--sentences` sentences of a split at batch 1 (one at a time) and
+in one batch of 32 with ONNX Runtime's profiling on (`--threads` intra-op
+threads), then sums the kernel times of the profile by op type and prints
+each type's share, calls per decoding step, and the nodes of the `Loop` body.
+
+    python scripts/profile_onnx.py EXPORT_DIR [--data-dir ../shared/data/multi30k]
+        [--split test2016] [--sentences 32] [--threads 2] [--json bench_results/profile_onnx.json]
+"""
+
+import argparse
+import collections
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+import onnx  # noqa: E402
+import onnxruntime  # noqa: E402
+
+from export.graph_rewrites import count_nodes  # noqa: E402
+from export.onnx_runtime import OnnxTranslator, read_metadata  # noqa: E402
+
+
+def profile(path, batches, threads, step_node):
+    """`({op type: microseconds}, kernel calls, decoding steps)` over `batches` of source ids.
+
+    Kernel times of the `Loop` body's nodes are recorded on their own, so the
+    `Loop` node's own time (which contains them) is left out; the number of
+    decoding steps is the number of times `step_node` (a body node) ran.
+    """
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.enable_profiling = True
+    session = onnxruntime.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+    for source_ids in batches:
+        session.run(None, {"source_ids": source_ids})
+    trace = session.end_profiling()
+    with open(trace, encoding="utf-8") as handle:
+        events = json.load(handle)
+    os.remove(trace)
+    totals, calls, steps = collections.defaultdict(float), 0, 0
+    for event in events:
+        if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
+            steps += event["name"] == f"{step_node}_kernel_time"
+            if event["args"]["op_name"] != "Loop":
+                totals[event["args"]["op_name"]] += event["dur"]
+                calls += 1
+    return totals, calls, max(1, steps)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("export_dir")
+    parser.add_argument("--data-dir", default=os.path.join("..", "shared", "data", "multi30k"))
+    parser.add_argument("--split", default="test2016")
+    parser.add_argument("--source-lang", default="en")
+    parser.add_argument("--sentences", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", default="bench_results/profile_onnx.json")
+    args = parser.parse_args()
+    path = os.path.join(args.export_dir, "translate.onnx")
+    model = onnx.load(path)
+    main_nodes, loop_nodes = count_nodes(model)
+    body = next(node for node in model.graph.node if node.op_type == "Loop").attribute[0].g
+    step_node = next(node.name for node in body.node if node.op_type in ("MatMul", "MatMulInteger"))
+    with open(os.path.join(args.data_dir, f"{args.split}.{args.source_lang}"), encoding="utf-8") as handle:
+        sentences = [line.rstrip("\n") for line in handle][: args.sentences]
+    translator = OnnxTranslator(args.export_dir, "full")
+    report = {"export": args.export_dir, "main_nodes": main_nodes, "loop_body_nodes": loop_nodes,
+              "quantization": read_metadata(args.export_dir).get("quantization"), "threads": args.threads}
+    print(f"{path}: {main_nodes} nodes outside the Loop, {loop_nodes} in its body")
+    for label, batches in (("batch 1", [translator.encode([s]) for s in sentences]),
+                           ("batch 32", [translator.encode(sentences)])):
+        totals, calls, steps = profile(path, batches, args.threads, step_node)
+        busy = sum(totals.values())
+        print(f"\n{label}: {steps} decoding steps, {calls / steps:.0f} kernel calls and "
+              f"{busy / steps / 1000:.2f} ms of kernel time per step\n")
+        print("| op type | share | ms per step |")
+        print("|---|---|---|")
+        for op_type, micros in sorted(totals.items(), key=lambda item: -item[1])[:15]:
+            print(f"| {op_type} | {100 * micros / busy:.1f}% | {micros / steps / 1000:.3f} |")
+        report[label] = {"steps": steps, "kernel_calls_per_step": calls / steps,
+                         "kernel_ms_per_step": busy / steps / 1000,
+                         "op_share_percent": {k: 100 * v / busy for k, v in totals.items()}}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nWrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
