@@ -27,9 +27,9 @@ bench: $(STAMP)
 	$(BIN)/python scripts/bench_attention.py
 	$(BIN)/python scripts/bench_decoding.py
 	$(BIN)/python scripts/bench_train.py
-	@if [ -e runs/multi30k-small/averaged.keras ]; then \
-		$(BIN)/python scripts/bench_serving.py --model runs/multi30k-small/averaged.keras; \
-	else echo "bench_serving: skipped (needs a trained small model: scripts/reproduce_multi30k.sh)"; fi
+	@if [ -e runs/multi30k/averaged.keras ]; then \
+		$(BIN)/python scripts/bench_serving.py --model runs/multi30k/averaged.keras; \
+	else echo "bench_serving: skipped (needs the recipe model: scripts/reproduce_multi30k.sh)"; fi
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
