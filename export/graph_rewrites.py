@@ -153,7 +153,7 @@ def _value_info(name, array):
 def _drop_unused_initializers(graph):
     """Removes the initializers (of any graph) that no node or graph output reads."""
     uses = _uses(graph)
-    for g in _graphs(graph):
+    for g in all_graphs(graph):
         for init in [init for init in g.initializer if not uses.get(init.name)]:
             g.initializer.remove(init)
 
@@ -178,19 +178,20 @@ def _subgraphs(node):
             yield from attribute.graphs
 
 
-def _graphs(graph):
+def all_graphs(graph):
+    """`graph` and every subgraph inside it (`Loop` bodies, `If` branches), depth first."""
     yield graph
     for node in graph.node:
         for subgraph in _subgraphs(node):
-            yield from _graphs(subgraph)
+            yield from all_graphs(subgraph)
 
 
 def collapse_tensordots(model):
     """`model` (changed in place and returned) with its tensordot chains collapsed (module docstring, 2)."""
     constants = {}
-    for graph in _graphs(model.graph):
+    for graph in all_graphs(model.graph):
         constants.update((init.name, init) for init in graph.initializer)
-    for graph in _graphs(model.graph):
+    for graph in all_graphs(model.graph):
         _collapse(graph, constants, _uses(model.graph))
     _drop_dead_nodes(model.graph)
     return model
@@ -199,7 +200,7 @@ def collapse_tensordots(model):
 def _uses(graph):
     """`{value name: number of node inputs and graph outputs that read it}` over all graphs."""
     counts = {}
-    for g in _graphs(graph):
+    for g in all_graphs(graph):
         for node in g.node:
             for name in node.input:
                 counts[name] = counts.get(name, 0) + 1
@@ -270,7 +271,7 @@ def _drop_dead_nodes(graph):
     """Removes nodes (in any graph) none of whose outputs is read, until none is left."""
     while True:
         uses = _uses(graph)
-        dead = [(g, node) for g in _graphs(graph) for node in g.node
+        dead = [(g, node) for g in all_graphs(graph) for node in g.node
                 if not any(uses.get(name) for name in node.output if name)]
         if not dead:
             return

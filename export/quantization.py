@@ -57,20 +57,10 @@ def quantize_int8(model):
 
 def count_quantized(model):
     """`(MatMulInteger, float MatMul)` node counts over the model and its `Loop` bodies."""
-    import onnx
+    from export.graph_rewrites import all_graphs
 
-    counts = {"MatMulInteger": 0, "MatMul": 0}
-
-    def walk(graph):
-        for node in graph.node:
-            if node.op_type in counts:
-                counts[node.op_type] += 1
-            for attribute in node.attribute:
-                if attribute.type == onnx.AttributeProto.GRAPH:
-                    walk(attribute.g)
-
-    walk(model.graph)
-    return counts["MatMulInteger"], counts["MatMul"]
+    types = [node.op_type for graph in all_graphs(model.graph) for node in graph.node]
+    return types.count("MatMulInteger"), types.count("MatMul")
 
 
 class QuantizationRefused(UserError):

@@ -169,11 +169,15 @@ def _export(args):
                         f"for them).")
     gate_options = [flag for flag, given in (("--max-bleu-drop", args.max_bleu_drop is not None),
                                              ("--force", args.force),
-                                             ("--gate-sentences", args.gate_sentences is not None))
+                                             ("--gate-sentences", args.gate_sentences is not None),
+                                             ("--data", args.data is not None),
+                                             ("--data-dir", args.data_dir is not None))
                     if given]
     if gate_options and not (args.format == "onnx" and args.quantization == "int8"):
-        raise UserError(f"{' and '.join(gate_options)} only apply to --format onnx --quantization int8 "
-                        f"(the int8 check on validation BLEU).")
+        raise UserError(f"{' and '.join(gate_options)} {'is' if len(gate_options) == 1 else 'are'} "
+                        f"for --format onnx --quantization int8 only (the int8 check on validation "
+                        f"BLEU); drop {'it' if len(gate_options) == 1 else 'them'} or add "
+                        f"--quantization int8.")
     run, model_path = resolve_model(args.model)
     name = check_model_name(args.name or os.path.basename(os.path.abspath(run.path)))
     # One exporter at a time per destination: the TF Serving base directory
@@ -193,7 +197,7 @@ def _export(args):
         graphs = TranslationGraphs(model, tokenizer, beam_size=args.beam_size,
                                    length_penalty=args.length_penalty,
                                    max_extra_length=args.max_extra_length)
-        return _write_export(args, graphs, name)
+        return _write_export(args, graphs, name, run)
 
 
 def _write_ctranslate2(args, model, tokenizer):
@@ -209,7 +213,7 @@ def _write_ctranslate2(args, model, tokenizer):
     return 0
 
 
-def _write_export(args, graphs, name):
+def _write_export(args, graphs, name, run):
     start = time.perf_counter()
     if args.format == "saved_model":
         from export.saved_model import export_saved_model
@@ -226,7 +230,7 @@ def _write_export(args, graphs, name):
         def log(line):
             print(line, file=sys.stderr)
 
-        gate = _int8_gate(args, graphs, log) if args.quantization == "int8" else None
+        gate = _int8_gate(args, run, log) if args.quantization == "int8" else None
         path = export_onnx(graphs, args.out, overwrite=args.overwrite, log=log,
                            quantization=args.quantization, gate=gate)
         print(f"Wrote the {args.quantization} ONNX graphs to {path} in "
@@ -234,14 +238,12 @@ def _write_export(args, graphs, name):
     return 0
 
 
-def _int8_gate(args, graphs, log):
+def _int8_gate(args, run, log):
     """`export.quantization.BleuGate` on the run's validation pairs (or those of --data)."""
     from export.quantization import DEFAULT_MAX_BLEU_DROP, BleuGate
     from keras_transformer.data import load_corpus
-    from keras_transformer.run_directory import resolve_model
     from keras_transformer.trainer import validation_pairs
 
-    run, _ = resolve_model(args.model)
     options = run.settings()["options"]
     data = args.data or options["data"]
     data_dir = args.data_dir or (options.get("data_dir") if args.data is None else None)

@@ -165,7 +165,7 @@ def test_refusals(trained_run, run_parts, tmp_path, capsys):
     assert "saved_model exports are float32" in capsys.readouterr().err
     assert cli.main(["export", "--model", str(trained_run), "--format", "ctranslate2",
                      "--max-bleu-drop", "2", "--out", str(tmp_path / "x")]) == 2
-    assert "--max-bleu-drop only apply to --format onnx --quantization int8" in capsys.readouterr().err
+    assert "--max-bleu-drop is for --format onnx --quantization int8 only" in capsys.readouterr().err
     other = Transformer.from_preset("tiny", vocab_size=tokenizer.vocab_size + 5)
     with pytest.raises(UserError, match="do not belong together"):
         export_ctranslate2(other, tokenizer, tmp_path / "y")
