@@ -27,11 +27,25 @@ def _seed_and_float32_policy():
     keras.config.set_dtype_policy("float32")
 
 
-def pytest_collection_modifyitems(items):
-    """Runs the tests that use the trained `reverse_model` fixture first.
+# Session fixtures that cost a minute or more: under pytest-xdist (`make test` runs two workers),
+# every test that uses one of them goes to the same worker, so each is built once.
+_EXPENSIVE_FIXTURES = ("reverse_model", "trained_run")
 
-    The fixture times `model.fit` against a 90 s bound; trained first, it does
-    not share the process with what earlier tests leave behind (the 214M
-    parameter `big` model, tf.data threads). The order is otherwise unchanged.
+
+@pytest.hookimpl(wrapper=True)  # runs before xdist's own hook, which reads the xdist_group markers
+def pytest_collection_modifyitems(items):
+    """Runs the tests that use the trained `reverse_model` fixture first, and groups the tests
+    of each expensive session fixture onto one xdist worker (`--dist loadgroup`).
+
+    The fixture times `model.fit` against a bound; trained first, it does not
+    share the process with what earlier tests leave behind (the 214M parameter
+    `big` model, tf.data threads). The order is otherwise unchanged.
     """
     items.sort(key=lambda item: 0 if "reverse_model" in getattr(item, "fixturenames", ()) else 1)
+    for item in items:
+        names = getattr(item, "fixturenames", ())
+        for fixture in _EXPENSIVE_FIXTURES:
+            if fixture in names:
+                item.add_marker(pytest.mark.xdist_group(fixture))
+                break
+    return (yield)

@@ -23,10 +23,21 @@ kernel launch per node, and at batch 1 that, not the arithmetic, is the cost):
    `Concat(Gather(Shape(x), [0..k-1]), [weight width])` of the same `x` becomes
    `MatMul(x, weight)`; the shape arithmetic left unused is dropped.
 
-`simplify(model)` applies both and drops initializers nothing reads. On the
-`mini` recipe model: `Loop` body 1,555 → 1,258 nodes, loop state 119 → 24
-values, main graph 666 → 582 nodes; the same tokens (scores within 2e-6:
-ONNX Runtime pre-packs constant matrix operands and sums in another order).
+3. **LayerNorm as 13 nodes** (`fuse_layer_norms`). Keras' `LayerNormalization`
+   is traced as `tf.nn.moments` plus an affine map, converted as
+   GlobalAveragePool → Sub → Mul → GlobalAveragePool → Add(ε) → Sqrt →
+   Reciprocal → Mul(γ) → Mul(x, ·) + (Neg(mean) · · + β): 13 kernels that ONNX
+   Runtime's own LayerNorm fusion does not recognise (it looks for
+   `ReduceMean`). Each becomes one opset-17 `LayerNormalization(x, γ, β,
+   axis=-1, epsilon=ε)`, ONNX Runtime's fused kernel. Matched only when γ and β
+   are constants of shape `(1, 1, width)`: the input then has rank 3, where
+   GlobalAveragePool averages over the last axis alone.
+
+`simplify(model)` applies all three and drops initializers nothing reads. On
+the `mini` recipe model: `Loop` body 1,555 → 1,114 nodes (1,258 before the
+LayerNorm fusion), loop state 119 → 24 values, main graph 666 → 582 nodes; the
+same tokens (scores within 2e-6: ONNX Runtime pre-packs constant matrix
+operands, sums in another order and normalizes as (x - mean) · rstd).
 Tested in `tests/test_onnx_int8.py` and by every ONNX parity test.
 """
 
@@ -279,9 +290,104 @@ def _drop_dead_nodes(graph):
             g.node.remove(node)
 
 
-def simplify(model):
-    """`model` (changed in place and returned) with both rewrites applied and unused initializers dropped."""
+def fuse_layer_norms(model):
+    """`model` (changed in place and returned) with each traced LayerNorm replaced by one
+    `LayerNormalization` node (module docstring, 3). Returns the model; `count_nodes` tells the change."""
+    constants = {}
+    for graph in all_graphs(model.graph):
+        constants.update((init.name, init) for init in graph.initializer)
+    uses = _uses(model.graph)
+    for graph in all_graphs(model.graph):
+        consumers = {}
+        for node in graph.node:
+            for name in node.input:
+                consumers.setdefault(name, []).append(node)
+        matches = [_layer_norm_at(node, consumers, constants, uses) for node in graph.node]
+        for match in [m for m in matches if m is not None]:
+            source, gamma, beta, epsilon, last, first = match
+            scale = _flat_initializer(model.graph, constants, gamma)
+            shift = _flat_initializer(model.graph, constants, beta)
+            output = last.output[0]
+            # The chain's last node gives up its output (so _drop_dead_nodes removes the chain) to the
+            # fused node, placed where the chain starts (its inputs are ready there).
+            last.output[0] = output + "/unfused"
+            graph.node.insert(list(graph.node).index(first), helper.make_node(
+                "LayerNormalization", [source, scale, shift], [output],
+                name=f"{first.name}/fused_layer_norm", axis=-1, epsilon=epsilon))
+    _drop_dead_nodes(model.graph)
+    return model
+
+
+def _layer_norm_at(mean, consumers, constants, uses):
+    """`(x, gamma, beta, epsilon, last node, first node)` if `mean` starts the traced LayerNorm, else None."""
+    if mean.op_type != "GlobalAveragePool":
+        return None
+
+    def only(name, op_type):  # the single reader of `name` (in one or more inputs), if an `op_type` node
+        readers = consumers.get(name, [])
+        if not readers or any(r is not readers[0] for r in readers) or uses.get(name) != len(readers) \
+                or readers[0].op_type != op_type:
+            return None
+        return readers[0]
+
+    def other(node, name):
+        inputs = list(node.input)
+        return inputs[1] if inputs[0] == name else inputs[0] if inputs[1] == name else None
+
+    x = mean.input[0]
+    readers = consumers.get(mean.output[0], [])
+    subs = [n for n in readers if n.op_type == "Sub" and list(n.input) == [x, mean.output[0]]]
+    negs = [n for n in readers if n.op_type == "Neg"]
+    if len(readers) != 2 or len(subs) != 1 or len(negs) != 1:
+        return None
+    square = only(subs[0].output[0], "Mul")
+    if square is None or list(square.input) != [subs[0].output[0]] * 2:
+        return None
+    variance = only(square.output[0], "GlobalAveragePool")
+    add_epsilon = variance and only(variance.output[0], "Add")
+    epsilon = add_epsilon and other(add_epsilon, variance.output[0])
+    root = epsilon in constants and only(add_epsilon.output[0], "Sqrt")
+    reciprocal = root and only(root.output[0], "Reciprocal")
+    scaled = reciprocal and only(reciprocal.output[0], "Mul")
+    gamma = scaled and other(scaled, reciprocal.output[0])
+    if not gamma or gamma not in constants or constants[epsilon].dims:
+        return None
+    readers = consumers.get(scaled.output[0], [])
+    if len(readers) != 2 or uses.get(scaled.output[0]) != 2 or any(n.op_type != "Mul" for n in readers):
+        return None
+    by_other = {other(n, scaled.output[0]): n for n in readers}
+    if set(by_other) != {x, negs[0].output[0]}:
+        return None
+    times_x, times_neg_mean = by_other[x], by_other[negs[0].output[0]]
+    add_beta = only(times_neg_mean.output[0], "Add")
+    beta = add_beta and other(add_beta, times_neg_mean.output[0])
+    final = beta in constants and only(add_beta.output[0], "Add")
+    if not final or uses.get(times_x.output[0]) != 1 or \
+            sorted(final.input) != sorted([times_x.output[0], add_beta.output[0]]):
+        return None
+    width = list(constants[gamma].dims)
+    if len(width) != 3 or width[:2] != [1, 1] or list(constants[beta].dims) != width:
+        return None
+    value = float(numpy_helper.to_array(constants[epsilon]))
+    return x, gamma, beta, value, final, mean
+
+
+def _flat_initializer(main, constants, name):
+    """The main-graph initializer `name + "/flat"`: the `(1, 1, width)` constant `name` as `(width,)`."""
+    flat = name + "/flat"
+    if flat not in constants:
+        array = numpy_helper.to_array(constants[name]).reshape(-1)
+        constants[flat] = numpy_helper.from_array(array, flat)
+        main.initializer.append(constants[flat])
+    return flat
+
+
+def simplify(model, layer_norms=True):
+    """`model` (changed in place and returned) with the rewrites applied (the LayerNorm fusion only if
+    `layer_norms`: benchmarks compare without it) and unused initializers dropped."""
     hoist_loop_invariants(model)
     collapse_tensordots(model)
+    if layer_norms:
+        fuse_layer_norms(model)
     _drop_unused_initializers(model.graph)
     return model

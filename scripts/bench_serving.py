@@ -9,7 +9,8 @@ size and GNMT length penalty, 2 threads each:
 | keras               | `keras_transformer.Translator`: tf-text tokenization, beam search in one `tf.function` (no XLA) |
 | saved_model         | `serving_default` of the exported SavedModel (what TF Serving runs; no XLA) |
 | onnx_full (before)  | `translate.onnx` as tf2onnx converts it (the export before `export.graph_rewrites`) |
-| onnx_full           | `translate.onnx` as exported now (`export.graph_rewrites.simplify`: weights out of the `Loop`, one `MatMul` per projection) |
+| onnx_full (no LN fusion) | `translate.onnx` with every rewrite of `export.graph_rewrites` but `fuse_layer_norms` |
+| onnx_full           | `translate.onnx` as exported now (`export.graph_rewrites.simplify`: weights out of the `Loop`, one `MatMul` per projection, one `LayerNormalization` per norm) |
 | onnx_split          | `encoder.onnx` + `decoder_step.onnx` driven by the NumPy beam search |
 | onnx_int8           | `export --format onnx --quantization int8`, full graph |
 | ct2_float32         | `export --format ctranslate2`, `CTranslate2Translator` (GNMT re-ranking of the n-best; batches split by source length for exact parity) |
@@ -29,12 +30,22 @@ whole `--split`, sorted by length and cut into batches of 32, every batch
 translated by every runtime in turn (interleaved, so the machine's noise falls
 on all rows alike). The same pass gives each runtime's sacreBLEU on the split.
 
+Speed at other widths (`--random-weights base`): a model of that preset with
+random weights and the run's tokenizer. Its EOS embedding row is set to a
+constant vector; the final post-norm LayerNorm of a freshly initialized model
+outputs zero-mean vectors (gamma 1, beta 0), so EOS scores exactly 0 against a
+vocabulary of random logits, never reaches a beam, and every runtime decodes
+every sentence to the same length limit (source length + 50): the rows time
+identical work. BLEU means nothing there; the identity checks still hold.
+
     python scripts/bench_serving.py [--model runs/multi30k] [--data-dir ../shared/data/multi30k]
         [--split test2016] [--single 30] [--beam-size 4] [--length-penalty 0.6]
-        [--threads 2] [--json bench_results/serving.json]
+        [--threads 2] [--random-weights base --limit 128 --single 10]
+        [--json bench_results/serving.json]
 """
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -49,7 +60,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 BATCH = 32
-EXACT = ("saved_model", "onnx_full (before)", "onnx_full", "onnx_split")
+EXACT = ("saved_model", "onnx_full (before)", "onnx_full (no LN fusion)", "onnx_full", "onnx_split")
 
 
 def _threads(count):
@@ -65,6 +76,7 @@ def runtimes(model, tokenizer, directory, args):
     import tensorflow as tf
 
     from export.ctranslate2 import CTranslate2Translator, export_ctranslate2
+    from export.graph_rewrites import simplify
     from export.graphs import TranslationGraphs
     from export.onnx import convert, export_onnx
     from export.onnx_runtime import OnnxTranslator
@@ -77,12 +89,15 @@ def runtimes(model, tokenizer, directory, args):
     onnx_dir = export_onnx(graphs, os.path.join(directory, "onnx"))
     int8_dir = export_onnx(graphs, os.path.join(directory, "onnx-int8"), quantization="int8")
     before_dir = os.path.join(directory, "onnx-before")  # the same export, translate.onnx unhoisted
-    os.makedirs(before_dir)
-    for name in ("export.json", "tokenizer.model"):
-        with open(os.path.join(onnx_dir, name), "rb") as source, \
-                open(os.path.join(before_dir, name), "wb") as target:
-            target.write(source.read())
-    onnx.save(convert(graphs, "translate_ids"), os.path.join(before_dir, "translate.onnx"))
+    unfused_dir = os.path.join(directory, "onnx-unfused")  # every rewrite but the LayerNorm fusion
+    raw = convert(graphs, "translate_ids")
+    for target_dir, model in ((before_dir, raw), (unfused_dir, simplify(copy.deepcopy(raw), layer_norms=False))):
+        os.makedirs(target_dir)
+        for name in ("export.json", "tokenizer.model"):
+            with open(os.path.join(onnx_dir, name), "rb") as source, \
+                    open(os.path.join(target_dir, name), "wb") as target:
+                target.write(source.read())
+        onnx.save(model, os.path.join(target_dir, "translate.onnx"))
     ct2 = {q: export_ctranslate2(model, tokenizer, os.path.join(directory, f"ct2-{q}"), quantization=q,
                                  **settings) for q in ("float32", "int8")}
 
@@ -90,6 +105,7 @@ def runtimes(model, tokenizer, directory, args):
     signature = tf.saved_model.load(saved).signatures["serving_default"]
     onnx_runtimes = {
         "onnx_full (before)": OnnxTranslator(before_dir, "full", BATCH, args.threads),
+        "onnx_full (no LN fusion)": OnnxTranslator(unfused_dir, "full", BATCH, args.threads),
         "onnx_full": OnnxTranslator(onnx_dir, "full", BATCH, args.threads),
         "onnx_split": OnnxTranslator(onnx_dir, "split", BATCH, args.threads),
         "onnx_int8": OnnxTranslator(int8_dir, "full", BATCH, args.threads),
@@ -125,6 +141,23 @@ def runtimes(model, tokenizer, directory, args):
     return result, sizes
 
 
+def random_weights_without_eos(preset, vocab_size, seed=0):
+    """A freshly initialized post-norm `preset` model whose EOS never scores above 0 (module docstring)."""
+    import keras
+
+    from keras_transformer import Transformer
+    from keras_transformer.tokenizer import EOS_ID
+
+    keras.utils.set_random_seed(seed)
+    model = Transformer.from_preset(preset, vocab_size=vocab_size)
+    if model.config.norm_first or not model.config.share_embeddings or not model.config.tie_output:
+        raise SystemExit("bench_serving: --random-weights needs a post-norm preset with shared, tied embeddings.")
+    table = keras.ops.convert_to_numpy(model.token_embedding.embeddings).copy()
+    table[EOS_ID] = table.std()
+    model.token_embedding.embeddings.assign(table)
+    return model
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -137,6 +170,9 @@ def main():
     parser.add_argument("--beam-size", type=int, default=4)
     parser.add_argument("--length-penalty", type=float, default=0.6)
     parser.add_argument("--threads", type=int, default=2, help="threads per runtime (default 2)")
+    parser.add_argument("--random-weights", metavar="PRESET",
+                        help="time a PRESET-sized model with random weights and EOS suppressed "
+                             "(the run's tokenizer; see above) instead of the trained weights")
     parser.add_argument("--json", default="bench_results/serving.json")
     args = parser.parse_args()
     _threads(args.threads)
@@ -154,6 +190,9 @@ def main():
                          f"(scripts/reproduce_multi30k.sh) or pass --model.") from None
     model, tokenizer = load_model(model_path), run.tokenizer()
     options = run.settings()["options"]
+    if args.random_weights:
+        model = random_weights_without_eos(args.random_weights, tokenizer.vocab_size)
+        model_path = f"{args.random_weights} preset, random weights, EOS suppressed"
 
     def read(lang):
         with open(os.path.join(args.data_dir, f"{args.split}.{lang}"), encoding="utf-8") as handle:
@@ -246,7 +285,7 @@ def main():
         print(f"  {goal}: {b1:.2f}x, {b32:.2f}x")
     print(f"\nModel files: {', '.join(f'{k} {v / 1e6:.1f} MB' for k, v in sizes.items())}")
     report = {
-        "model": str(model_path), "parameters": model.count_params(), "split": args.split,
+        "model": str(model_path), "random_weights": args.random_weights, "parameters": model.count_params(), "split": args.split,
         "beam_size": args.beam_size, "length_penalty": args.length_penalty, "threads": args.threads,
         "single_sentences": len(single), "batched_sentences": len(sources), "batch": BATCH,
         "export_seconds": export_seconds, "model_bytes": sizes, "goals": goals,

@@ -12,7 +12,8 @@ import onnxruntime
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from export.graph_rewrites import collapse_tensordots, count_nodes, hoist_loop_invariants
+from export.graph_rewrites import (all_graphs, collapse_tensordots, count_nodes, fuse_layer_norms,
+                                   hoist_loop_invariants)
 from export.onnx_runtime import OnnxTranslator
 from export.quantization import BleuGate, QuantizationRefused, count_quantized
 from keras_transformer import cli
@@ -196,3 +197,57 @@ def test_a_tensordot_chain_becomes_one_matmul_with_the_same_result():
     other = _tensordot_model()
     other.graph.initializer[3].CopyFrom(numpy_helper.from_array(np.array([-1, 2], np.int64), "flat"))
     assert len(collapse_tensordots(other).graph.node) == 6
+
+
+def _traced_layer_norm_model(width=6, epsilon=1e-6):
+    """Keras' LayerNormalization as tf2onnx converts it (13 nodes), on `x` of shape (batch, len, width)."""
+    rng = np.random.default_rng(1)
+    gamma = rng.normal(size=(1, 1, width)).astype(np.float32)
+    beta = rng.normal(size=(1, 1, width)).astype(np.float32)
+    nodes = [
+        helper.make_node("GlobalAveragePool", ["x"], ["mean"]),
+        helper.make_node("Neg", ["mean"], ["neg_mean"]),
+        helper.make_node("Sub", ["x", "mean"], ["diff"]),
+        helper.make_node("Mul", ["diff", "diff"], ["square"]),
+        helper.make_node("GlobalAveragePool", ["square"], ["variance"]),
+        helper.make_node("Add", ["variance", "epsilon"], ["variance_eps"]),
+        helper.make_node("Sqrt", ["variance_eps"], ["std"]),
+        helper.make_node("Reciprocal", ["std"], ["rstd"]),
+        helper.make_node("Mul", ["rstd", "gamma"], ["scale"]),
+        helper.make_node("Mul", ["x", "scale"], ["x_scaled"]),
+        helper.make_node("Mul", ["neg_mean", "scale"], ["mean_scaled"]),
+        helper.make_node("Add", ["mean_scaled", "beta"], ["shift"]),
+        helper.make_node("Add", ["x_scaled", "shift"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "layer_norm", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, None, width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, None, width])],
+        initializer=[numpy_helper.from_array(np.array(epsilon, np.float32), "epsilon"),
+                     numpy_helper.from_array(gamma, "gamma"), numpy_helper.from_array(beta, "beta")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_a_traced_layer_norm_becomes_one_node_with_the_same_result():
+    x = np.random.default_rng(0).normal(size=(2, 3, 6)).astype(np.float32) * 4 + 1
+    before = _run(_traced_layer_norm_model(), x=x)
+    fused = fuse_layer_norms(_traced_layer_norm_model())
+    onnx.checker.check_model(fused, full_check=True)
+    assert [node.op_type for node in fused.graph.node] == ["LayerNormalization"]
+    node = fused.graph.node[0]
+    assert {a.name: helper.get_attribute_value(a) for a in node.attribute} == pytest.approx(
+        {"axis": -1, "epsilon": 1e-6})
+    np.testing.assert_allclose(_run(fused, x=x), before, rtol=1e-5, atol=1e-5)
+    # A chain with a value read elsewhere (here the variance is also a graph output) is left alone.
+    shared = _traced_layer_norm_model()
+    shared.graph.output.append(helper.make_tensor_value_info("variance", TensorProto.FLOAT, None))
+    assert len(fuse_layer_norms(shared).graph.node) == 13
+
+
+def test_exported_graphs_have_every_layer_norm_fused(exported):
+    """The tiny preset (2 + 2 layers): 2 norms per encoder layer, 3 per decoder layer, none left traced."""
+    expected = {"encoder": 4, "decoder_step": 6, "forward": 10, "translate": 10}
+    for name, count in expected.items():
+        model = onnx.load(str(exported[1] / f"{name}.onnx"))
+        ops = [node.op_type for graph in all_graphs(model.graph) for node in graph.node]
+        assert ops.count("LayerNormalization") == count, name
+        assert "GlobalAveragePool" not in ops, name
