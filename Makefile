@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: install demo test bench clean
+.PHONY: install demo lint test bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +22,12 @@ demo: $(STAMP)
 # Two workers: the tests that share an expensive session fixture stay on one (conftest.py).
 TEST_WORKERS ?= 2
 
-test: $(STAMP)
+# Style, checked by a tool (configuration in pyproject.toml); `make test` runs it first.
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: $(STAMP) lint
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
 bench: $(STAMP)

@@ -70,8 +70,10 @@ def _ctranslate2():
     try:
         import ctranslate2
     except ImportError:
-        raise UserError("CTranslate2 is not installed: pip install ctranslate2 "
-                        "(or the `ctranslate2` extra of keras-transformer).") from None
+        raise UserError(
+            "CTranslate2 is not installed: pip install ctranslate2 "
+            "(or the `ctranslate2` extra of keras-transformer)."
+        ) from None
     return ctranslate2
 
 
@@ -94,28 +96,38 @@ def _norm(spec, layer_norm):
 def _attention(spec, attention, self_attention):
     """Our `MultiHeadAttention` into CTranslate2's (Q, K, V fused for self-attention, K, V for cross)."""
     if not attention.use_bias:
-        raise UserError("CTranslate2 export needs attention projections with biases "
-                        f"({attention.name} has none).")
-    q, k, v = ((_numpy(getattr(attention, f"{name}_kernel")),
-                _numpy(getattr(attention, f"{name}_bias")))
-               for name in ("query", "key", "value"))
+        raise UserError(
+            f"CTranslate2 export needs attention projections with biases ({attention.name} has none)."
+        )
+    q, k, v = (
+        (_numpy(getattr(attention, f"{name}_kernel")), _numpy(getattr(attention, f"{name}_bias")))
+        for name in ("query", "key", "value")
+    )
     d_model = attention.d_model
     flat = [(kernel.reshape(d_model, d_model), bias.reshape(d_model)) for kernel, bias in (q, k, v)]
     if self_attention:
-        _linear(spec.linear[0], np.concatenate([kernel for kernel, _ in flat], axis=1),
-                np.concatenate([bias for _, bias in flat]))
+        _linear(
+            spec.linear[0],
+            np.concatenate([kernel for kernel, _ in flat], axis=1),
+            np.concatenate([bias for _, bias in flat]),
+        )
     else:
         _linear(spec.linear[0], *flat[0])
-        _linear(spec.linear[1], np.concatenate([flat[1][0], flat[2][0]], axis=1),
-                np.concatenate([flat[1][1], flat[2][1]]))
+        _linear(
+            spec.linear[1],
+            np.concatenate([flat[1][0], flat[2][0]], axis=1),
+            np.concatenate([flat[1][1], flat[2][1]]),
+        )
     output_kernel = _numpy(attention.output_kernel).reshape(d_model, d_model)
     _linear(spec.linear[-1], output_kernel, attention.output_bias)
 
 
 def _feed_forward(spec, feed_forward):
     if feed_forward.activation != "relu":
-        raise UserError(f"CTranslate2 export supports the ReLU feed-forward only; this model uses "
-                        f"{feed_forward.activation!r}.")
+        raise UserError(
+            f"CTranslate2 export supports the ReLU feed-forward only; this model uses "
+            f"{feed_forward.activation!r}."
+        )
     _linear(spec.linear_0, feed_forward.inner_dense.kernel, feed_forward.inner_dense.bias)
     _linear(spec.linear_1, feed_forward.output_dense.kernel, feed_forward.output_dense.bias)
 
@@ -128,18 +140,24 @@ def transformer_spec(model, tokenizer):
     specs = _ctranslate2().specs.transformer_spec
     config = model.config
     if tokenizer.vocab_size != max(config.vocab_size, config.target_vocab):
-        raise UserError(f"The tokenizer has {tokenizer.vocab_size} pieces but the model's vocabulary "
-                        f"has {max(config.vocab_size, config.target_vocab)}: they do not belong "
-                        f"together.")
+        raise UserError(
+            f"The tokenizer has {tokenizer.vocab_size} pieces but the model's vocabulary "
+            f"has {max(config.vocab_size, config.target_vocab)}: they do not belong "
+            f"together."
+        )
     if (PAD_ID, BOS_ID, EOS_ID) != (config.pad_id, config.bos_id, config.eos_id):
-        raise UserError("CTranslate2 export needs the tokenizer's special ids (0 pad, 1 unk, 2 BOS, "
-                        "3 EOS) in the model config.")
+        raise UserError(
+            "CTranslate2 export needs the tokenizer's special ids (0 pad, 1 unk, 2 BOS, "
+            "3 EOS) in the model config."
+        )
     spec = specs.TransformerSpec.from_config(
-        (config.num_layers, config.num_decoder_layers), config.num_heads,
-        pre_norm=config.norm_first)
+        (config.num_layers, config.num_decoder_layers), config.num_heads, pre_norm=config.norm_first
+    )
     positions = sinusoidal_table(config.max_length, config.d_model)
-    for side, stack, embedding in (("encoder", model.encoder, model.source_embedding),
-                                   ("decoder", model.decoder, model.target_embedding)):
+    for side, stack, embedding in (
+        ("encoder", model.encoder, model.source_embedding),
+        ("decoder", model.decoder, model.target_embedding),
+    ):
         side_spec = getattr(spec, side)
         if not embedding.scale:
             raise UserError("CTranslate2 export needs embeddings scaled by sqrt(d_model) (§3.4).")
@@ -160,15 +178,20 @@ def transformer_spec(model, tokenizer):
     if model.output_projection is None:  # tied: the target embedding matrix, no bias (§3.4)
         spec.decoder.projection.weight = _numpy(model.target_embedding.embeddings)
     else:
-        _linear(spec.decoder.projection, model.output_projection.kernel,
-                model.output_projection.bias if model.output_projection.use_bias else None)
+        _linear(
+            spec.decoder.projection,
+            model.output_projection.kernel,
+            model.output_projection.bias if model.output_projection.use_bias else None,
+        )
 
     pieces = [tokenizer.processor.id_to_piece(i) for i in range(tokenizer.vocab_size)]
     if len(set(pieces)) != len(pieces):
-        raise UserError("The SentencePiece model has duplicate pieces; CTranslate2 maps tokens by "
-                        "their text and needs unique pieces.")
-    spec.register_source_vocabulary(pieces[:config.vocab_size])
-    spec.register_target_vocabulary(pieces[:config.target_vocab])
+        raise UserError(
+            "The SentencePiece model has duplicate pieces; CTranslate2 maps tokens by "
+            "their text and needs unique pieces."
+        )
+    spec.register_source_vocabulary(pieces[: config.vocab_size])
+    spec.register_target_vocabulary(pieces[: config.target_vocab])
     spec.config.unk_token, spec.config.eos_token = pieces[UNK_ID], pieces[EOS_ID]
     spec.config.bos_token = spec.config.decoder_start_token = pieces[BOS_ID]
     spec.config.add_source_eos = True  # as Tokenizer.encode
@@ -177,8 +200,16 @@ def transformer_spec(model, tokenizer):
     return spec
 
 
-def export_ctranslate2(model, tokenizer, out_dir, quantization="float32", beam_size=4,
-                       length_penalty=0.6, max_extra_length=50, overwrite=False):
+def export_ctranslate2(
+    model,
+    tokenizer,
+    out_dir,
+    quantization="float32",
+    beam_size=4,
+    length_penalty=0.6,
+    max_extra_length=50,
+    overwrite=False,
+):
     """Writes the CTranslate2 model of `model` (a `Transformer`) into `out_dir`; returns its path.
 
     `beam_size`, `length_penalty`, `max_extra_length` are stored in
@@ -197,11 +228,17 @@ def export_ctranslate2(model, tokenizer, out_dir, quantization="float32", beam_s
     import keras_transformer
 
     settings = dict(
-        keras_transformer=keras_transformer.__version__, keras=keras.__version__,
-        ctranslate2=ctranslate2.__version__, quantization=quantization,
+        keras_transformer=keras_transformer.__version__,
+        keras=keras.__version__,
+        ctranslate2=ctranslate2.__version__,
+        quantization=quantization,
         config=model.config.to_dict(),
-        decoding=dict(beam_size=beam_size, length_penalty=length_penalty,
-                      max_extra_length=max_extra_length, length_penalty_form="gnmt"),
+        decoding=dict(
+            beam_size=beam_size,
+            length_penalty=length_penalty,
+            max_extra_length=max_extra_length,
+            length_penalty_form="gnmt",
+        ),
     )
     with atomic_directory(os.path.abspath(out_dir), overwrite=overwrite) as temporary:
         spec.save(temporary)
@@ -228,36 +265,52 @@ class CTranslate2Translator:
         batch_size: sentences per `translate_batch` call.
     """
 
-    def __init__(self, path, beam_size=None, length_penalty=None, max_extra_length=None,
-                 intra_threads=0, inter_threads=1, compute_type="default", batch_size=64):
+    def __init__(
+        self,
+        path,
+        beam_size=None,
+        length_penalty=None,
+        max_extra_length=None,
+        intra_threads=0,
+        inter_threads=1,
+        compute_type="default",
+        batch_size=64,
+    ):
         ctranslate2 = _ctranslate2()
         import sentencepiece
 
         path = os.fspath(path)
         settings_path = os.path.join(path, SETTINGS_FILE)
         if not os.path.isfile(settings_path):
-            raise UserError(f"{path} is not a keras-transformer CTranslate2 export ({SETTINGS_FILE} "
-                            f"is missing); write one with `keras-transformer export --format ctranslate2`.")
+            raise UserError(
+                f"{path} is not a keras-transformer CTranslate2 export ({SETTINGS_FILE} "
+                f"is missing); write one with `keras-transformer export --format ctranslate2`."
+            )
         with open(settings_path, encoding="utf-8") as handle:
             self.settings = json.load(handle)
         decoding = self.settings["decoding"]
         self.beam_size = beam_size or decoding["beam_size"]
         self.length_penalty = decoding["length_penalty"] if length_penalty is None else length_penalty
-        self.max_extra_length = (decoding["max_extra_length"] if max_extra_length is None
-                                 else max_extra_length)
+        self.max_extra_length = decoding["max_extra_length"] if max_extra_length is None else max_extra_length
         self.max_length = self.settings["config"]["max_length"]
         self.batch_size = batch_size
-        self.translator = ctranslate2.Translator(path, device="cpu", compute_type=compute_type,
-                                                 intra_threads=intra_threads,
-                                                 inter_threads=inter_threads)
+        self.translator = ctranslate2.Translator(
+            path,
+            device="cpu",
+            compute_type=compute_type,
+            intra_threads=intra_threads,
+            inter_threads=inter_threads,
+        )
         self.processor = sentencepiece.SentencePieceProcessor(
-            model_file=os.path.join(path, "tokenizer.model"))
+            model_file=os.path.join(path, "tokenizer.model")
+        )
         self.never = [[self.processor.id_to_piece(PAD_ID)], [self.processor.id_to_piece(BOS_ID)]]
 
     def tokenize(self, sentences):
         """Pieces of each sentence, truncated to `max_length - 1` (EOS is added by CTranslate2)."""
-        return [pieces[: self.max_length - 1]
-                for pieces in self.processor.encode(list(sentences), out_type=str)]
+        return [
+            pieces[: self.max_length - 1] for pieces in self.processor.encode(list(sentences), out_type=str)
+        ]
 
     def translate_tokens(self, tokens):
         """Pieces in, `(pieces, score)` out per sentence (EOS not included), GNMT-ranked."""
@@ -271,12 +324,18 @@ class CTranslate2Translator:
             # CTranslate2 produces with one less (it counts EOS, and stops without it).
             limit = max(1, min(length + 1 + self.max_extra_length, self.max_length) - 1)
             for start in range(0, len(indices), self.batch_size):
-                chunk = indices[start: start + self.batch_size]
+                chunk = indices[start : start + self.batch_size]
                 sources = [tokens[i] for i in chunk]
                 outputs = self.translator.translate_batch(
-                    sources, beam_size=self.beam_size, num_hypotheses=self.beam_size,
-                    length_penalty=0.0, return_scores=True, return_end_token=True,
-                    max_decoding_length=limit, suppress_sequences=self.never)
+                    sources,
+                    beam_size=self.beam_size,
+                    num_hypotheses=self.beam_size,
+                    length_penalty=0.0,
+                    return_scores=True,
+                    return_end_token=True,
+                    max_decoding_length=limit,
+                    suppress_sequences=self.never,
+                )
                 for index, ranked in zip(chunk, self._rank(sources, outputs)):
                     results[index] = ranked
         return results
@@ -291,18 +350,21 @@ class CTranslate2Translator:
         eos = self.processor.id_to_piece(EOS_ID)
         hypotheses = [[list(h) for h in output.hypotheses] for output in outputs]
         scores = [list(output.scores) for output in outputs]
-        unfinished = [(i, j) for i, hyps in enumerate(hypotheses) for j, h in enumerate(hyps)
-                      if not h or h[-1] != eos]
+        unfinished = [
+            (i, j) for i, hyps in enumerate(hypotheses) for j, h in enumerate(hyps) if not h or h[-1] != eos
+        ]
         if unfinished:
-            rescored = self.translator.score_batch([sources[i] for i, _ in unfinished],
-                                                   [hypotheses[i][j] for i, j in unfinished])
+            rescored = self.translator.score_batch(
+                [sources[i] for i, _ in unfinished], [hypotheses[i][j] for i, j in unfinished]
+            )
             for (i, j), result in zip(unfinished, rescored):
                 hypotheses[i][j] = hypotheses[i][j] + [eos]
                 scores[i][j] = float(np.sum(result.log_probs))
         ranked = []
         for hyps, log_probs in zip(hypotheses, scores):
-            penalized = [(p / ((5.0 + len(h)) / 6.0) ** self.length_penalty, h)
-                         for h, p in zip(hyps, log_probs)]
+            penalized = [
+                (p / ((5.0 + len(h)) / 6.0) ** self.length_penalty, h) for h, p in zip(hyps, log_probs)
+            ]
             score, best = max(penalized, key=lambda pair: pair[0])
             ranked.append((best[:-1], score))
         return ranked
@@ -322,7 +384,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(
         prog="python -m export.ctranslate2",
         description="Translate stdin to stdout, one line each, with a CTranslate2 export "
-                    "(no TensorFlow needed).")
+        "(no TensorFlow needed).",
+    )
     parser.add_argument("model", help="the directory `keras-transformer export --format ctranslate2` wrote")
     parser.add_argument("--beam-size", type=int, help="default: the export's")
     parser.add_argument("--length-penalty", type=float, help="GNMT alpha (default: the export's)")
@@ -334,9 +397,12 @@ def main(argv=None):
     if args.length_penalty is not None and not args.length_penalty >= 0:
         parser.exit(2, f"{parser.prog}: error: --length-penalty must be >= 0, got {args.length_penalty}\n")
     try:
-        translator = CTranslate2Translator(args.model, beam_size=args.beam_size,
-                                           length_penalty=args.length_penalty,
-                                           intra_threads=args.threads)
+        translator = CTranslate2Translator(
+            args.model,
+            beam_size=args.beam_size,
+            length_penalty=args.length_penalty,
+            intra_threads=args.threads,
+        )
     except UserError as error:
         parser.exit(2, f"{parser.prog}: error: {error}\n")
     lines = [line.rstrip("\n") for line in sys.stdin]

@@ -33,14 +33,19 @@ kernel launch per node, and at batch 1 that, not the arithmetic, is the cost):
    are constants of shape `(1, 1, width)`: the input then has rank 3, where
    GlobalAveragePool averages over the last axis alone.
 
-`simplify(model)` applies all three and drops initializers nothing reads. On
-the `mini` recipe model: `Loop` body 1,555 → 1,114 nodes (1,258 before the
-LayerNorm fusion), loop state 119 → 24 values, main graph 666 → 582 nodes; the
-same tokens (scores within 2e-6: ONNX Runtime pre-packs constant matrix
-operands, sums in another order and normalizes as (x - mean) · rstd).
+4. **`where` as a blend** (`select_with_where`). tf2onnx converts each
+   `tf.where(c, p, q)` (SelectV2: the key/value cache writes, the attention
+   and beam masks) as `p · Cast(c) + q · Cast(Not(c))`: six kernels, five of
+   them full passes over the output, and NaN wherever `p` or `q` is infinite.
+   Each becomes one ONNX `Where(c, p, q)`, TensorFlow's own semantics.
+
+`simplify(model)` applies all four and drops initializers nothing reads. On
+the `mini` recipe model: `Loop` body 1,555 → 1,258 nodes with rewrites 1 and
+2, 1,114 with 3, 874 with 4; loop state 119 → 24 values. The same tokens
+(scores within 2e-6: ONNX Runtime pre-packs constant matrix operands, sums in
+another order and normalizes as (x - mean) · rstd).
 Tested in `tests/test_onnx_int8.py` and by every ONNX parity test.
 """
-
 
 import numpy as np
 import onnx
@@ -49,8 +54,22 @@ from onnx import helper, numpy_helper
 # Ops that rearrange, select or convert their input: evaluating them once on
 # constants changes no arithmetic and never makes a tensor bigger than the
 # inputs it reads (no Tile/Expand/ConstantOfShape).
-FOLDABLE = frozenset({"Reshape", "Transpose", "Cast", "Squeeze", "Unsqueeze", "Identity", "Flatten",
-                      "Shape", "Slice", "Gather", "Concat", "Constant"})
+FOLDABLE = frozenset(
+    {
+        "Reshape",
+        "Transpose",
+        "Cast",
+        "Squeeze",
+        "Unsqueeze",
+        "Identity",
+        "Flatten",
+        "Shape",
+        "Slice",
+        "Gather",
+        "Concat",
+        "Constant",
+    }
+)
 
 
 def hoist_loop_invariants(model):
@@ -87,7 +106,7 @@ def _drop_pass_through_state(graph, loop):
         return
     _rename_uses(body, renames)
     new_inputs = list(body.input[:2]) + [body.input[2 + i] for i in keep]
-    new_outputs = [body.output[0]] + [body.output[1 + i] for i in keep] + list(body.output[1 + carried:])
+    new_outputs = [body.output[0]] + [body.output[1 + i] for i in keep] + list(body.output[1 + carried :])
     del body.input[:]
     body.input.extend(new_inputs)
     del body.output[:]
@@ -116,11 +135,12 @@ def _rename_uses(graph, renames, outputs=False):
     for node in graph.node:
         node.input[:] = [renames.get(name, name) for name in node.input]
         for attribute in node.attribute:
-            subgraphs = [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else list(attribute.graphs)
+            subgraphs = (
+                [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else list(attribute.graphs)
+            )
             for subgraph in subgraphs:
                 shadowed = {value.name for value in subgraph.input}
-                _rename_uses(subgraph, {k: v for k, v in renames.items() if k not in shadowed},
-                             outputs=True)
+                _rename_uses(subgraph, {k: v for k, v in renames.items() if k not in shadowed}, outputs=True)
     for output in graph.output if outputs else []:
         if output.name in renames:
             # A body output that is an outer value needs a node that produces it.
@@ -143,9 +163,14 @@ def _fold_constants(model, body, constants):
             continue  # pragma: no cover - none of FOLDABLE has subgraphs
         feeds = {name: numpy_helper.to_array(values[name]) for name in inputs}
         single = helper.make_model(
-            helper.make_graph([node], "fold", [_value_info(name, array) for name, array in feeds.items()],
-                              [helper.make_value_info(name, onnx.TypeProto()) for name in node.output]),
-            opset_imports=model.opset_import)
+            helper.make_graph(
+                [node],
+                "fold",
+                [_value_info(name, array) for name, array in feeds.items()],
+                [helper.make_value_info(name, onnx.TypeProto()) for name in node.output],
+            ),
+            opset_imports=model.opset_import,
+        )
         results = ReferenceEvaluator(single).run(None, feeds)
         for name, array in zip(node.output, results):
             tensor = numpy_helper.from_array(np.asarray(array), name)
@@ -177,8 +202,6 @@ def count_nodes(model):
             if attribute.type == onnx.AttributeProto.GRAPH:
                 loop += len(attribute.g.node)
     return main, loop
-
-
 
 
 def _subgraphs(node):
@@ -233,14 +256,21 @@ def _collapse(graph, constants, uses):
         weight = constants[matmul.input[1]]
         flatten = producers.get(matmul.input[0])
         users = consumers.get(matmul.output[0], [])
-        if (len(weight.dims) != 2 or flatten is None or flatten.op_type != "Reshape"
-                or uses.get(flatten.output[0]) != 1 or len(users) != 1
-                or uses.get(matmul.output[0]) != 1 or users[0].op_type != "Reshape"):
+        if (
+            len(weight.dims) != 2
+            or flatten is None
+            or flatten.op_type != "Reshape"
+            or uses.get(flatten.output[0]) != 1
+            or len(users) != 1
+            or uses.get(matmul.output[0]) != 1
+            or users[0].op_type != "Reshape"
+        ):
             continue
         restore, source = users[0], flatten.input[0]
         flat_shape = _skip_casts(flatten.input[1], producers)[0]
-        if (flat_shape not in constants or numpy_helper.to_array(constants[flat_shape]).tolist()[-1:]
-                != [weight.dims[0]]):
+        if flat_shape not in constants or numpy_helper.to_array(constants[flat_shape]).tolist()[-1:] != [
+            weight.dims[0]
+        ]:
             continue  # not a flattening to (rows, weight's height)
         if not _keeps_leading_dimensions(restore.input[1], source, weight.dims[1], producers, constants):
             continue
@@ -274,16 +304,25 @@ def _keeps_leading_dimensions(shape_name, source, width, producers, constants):
         return False
     free = numpy_helper.to_array(constants[gather.input[1]]).tolist()
     _, shape = _skip_casts(gather.input[0], producers)
-    return (shape is not None and shape.op_type == "Shape" and shape.input[0] == source
-            and free == list(range(len(free))) and not shape.attribute)
+    return (
+        shape is not None
+        and shape.op_type == "Shape"
+        and shape.input[0] == source
+        and free == list(range(len(free)))
+        and not shape.attribute
+    )
 
 
 def _drop_dead_nodes(graph):
     """Removes nodes (in any graph) none of whose outputs is read, until none is left."""
     while True:
         uses = _uses(graph)
-        dead = [(g, node) for g in all_graphs(graph) for node in g.node
-                if not any(uses.get(name) for name in node.output if name)]
+        dead = [
+            (g, node)
+            for g in all_graphs(graph)
+            for node in g.node
+            if not any(uses.get(name) for name in node.output if name)
+        ]
         if not dead:
             return
         for g, node in dead:
@@ -311,9 +350,17 @@ def fuse_layer_norms(model):
             # The chain's last node gives up its output (so _drop_dead_nodes removes the chain) to the
             # fused node, placed where the chain starts (its inputs are ready there).
             last.output[0] = output + "/unfused"
-            graph.node.insert(list(graph.node).index(first), helper.make_node(
-                "LayerNormalization", [source, scale, shift], [output],
-                name=f"{first.name}/fused_layer_norm", axis=-1, epsilon=epsilon))
+            graph.node.insert(
+                list(graph.node).index(first),
+                helper.make_node(
+                    "LayerNormalization",
+                    [source, scale, shift],
+                    [output],
+                    name=f"{first.name}/fused_layer_norm",
+                    axis=-1,
+                    epsilon=epsilon,
+                ),
+            )
     _drop_dead_nodes(model.graph)
     return model
 
@@ -325,8 +372,12 @@ def _layer_norm_at(mean, consumers, constants, uses):
 
     def only(name, op_type):  # the single reader of `name` (in one or more inputs), if an `op_type` node
         readers = consumers.get(name, [])
-        if not readers or any(r is not readers[0] for r in readers) or uses.get(name) != len(readers) \
-                or readers[0].op_type != op_type:
+        if (
+            not readers
+            or any(r is not readers[0] for r in readers)
+            or uses.get(name) != len(readers)
+            or readers[0].op_type != op_type
+        ):
             return None
         return readers[0]
 
@@ -362,8 +413,11 @@ def _layer_norm_at(mean, consumers, constants, uses):
     add_beta = only(times_neg_mean.output[0], "Add")
     beta = add_beta and other(add_beta, times_neg_mean.output[0])
     final = beta in constants and only(add_beta.output[0], "Add")
-    if not final or uses.get(times_x.output[0]) != 1 or \
-            sorted(final.input) != sorted([times_x.output[0], add_beta.output[0]]):
+    if (
+        not final
+        or uses.get(times_x.output[0]) != 1
+        or sorted(final.input) != sorted([times_x.output[0], add_beta.output[0]])
+    ):
         return None
     width = list(constants[gamma].dims)
     if len(width) != 3 or width[:2] != [1, 1] or list(constants[beta].dims) != width:
@@ -382,12 +436,62 @@ def _flat_initializer(main, constants, name):
     return flat
 
 
-def simplify(model, layer_norms=True):
-    """`model` (changed in place and returned) with the rewrites applied (the LayerNorm fusion only if
-    `layer_norms`: benchmarks compare without it) and unused initializers dropped."""
+def select_with_where(model):
+    """`model` (changed in place and returned) with each `where` blend replaced by one `Where` node
+    (module docstring, 4)."""
+    producers = {
+        name: node for graph in all_graphs(model.graph) for node in graph.node for name in node.output
+    }
+    uses = _uses(model.graph)
+    for graph in all_graphs(model.graph):
+        for add in [node for node in graph.node if node.op_type == "Add"]:
+            select = _blend_at(add, producers, uses)
+            if select is not None:
+                condition, when_true, when_false = select
+                output = add.output[0]
+                add.output[0] = output + "/blend"
+                graph.node.insert(
+                    list(graph.node).index(add),
+                    helper.make_node(
+                        "Where", [condition, when_true, when_false], [output], name=add.name + "/where"
+                    ),
+                )
+    _drop_dead_nodes(model.graph)
+    return model
+
+
+def _blend_at(add, producers, uses):
+    """`(c, p, q)` if `add` is `p * Cast(c) + q * Cast(Not(c))` (factors in either order), else None."""
+    terms = [producers.get(name) for name in add.input]
+    if len(terms) != 2 or any(t is None or t.op_type != "Mul" or uses.get(t.output[0]) != 1 for t in terms):
+        return None
+
+    def split(mul):  # (the factor that is a Cast of a bool, the other factor), or None
+        for mask, value in ((mul.input[1], mul.input[0]), (mul.input[0], mul.input[1])):
+            cast = producers.get(mask)
+            if cast is not None and cast.op_type == "Cast":
+                return cast.input[0], value
+        return None
+
+    for first, second in (terms, terms[::-1]):
+        kept, dropped = split(first), split(second)
+        if kept is None or dropped is None:
+            continue
+        negation = producers.get(dropped[0])
+        if negation is not None and negation.op_type == "Not" and negation.input[0] == kept[0]:
+            return kept[0], kept[1], dropped[1]
+    return None
+
+
+def simplify(model, layer_norms=True, wheres=True):
+    """`model` (changed in place and returned) with the rewrites applied (the LayerNorm fusion and the
+    `Where`s only if `layer_norms` / `wheres`: benchmarks compare without them) and unused
+    initializers dropped."""
     hoist_loop_invariants(model)
     collapse_tensordots(model)
     if layer_norms:
         fuse_layer_norms(model)
+    if wheres:
+        select_with_where(model)
     _drop_unused_initializers(model.graph)
     return model

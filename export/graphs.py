@@ -67,8 +67,11 @@ class TranslationGraphs:
             raise UserError(f"beam_size must be an integer >= 1; got {beam_size!r}.")
         if not (isinstance(length_penalty, (int, float)) and length_penalty >= 0):
             raise UserError(f"length_penalty must be a number >= 0; got {length_penalty!r}.")
-        if isinstance(max_extra_length, bool) or not isinstance(max_extra_length, int) \
-                or max_extra_length < 0:
+        if (
+            isinstance(max_extra_length, bool)
+            or not isinstance(max_extra_length, int)
+            or max_extra_length < 0
+        ):
             raise UserError(f"max_extra_length must be an integer >= 0; got {max_extra_length!r}.")
         self.model = float32_model(model)
         self.tokenizer = tokenizer
@@ -87,23 +90,27 @@ class TranslationGraphs:
             "translate_text": [tf.TensorSpec([None], tf.string, name="text")],
             "source_ids": [tf.TensorSpec([None], tf.string, name="text")],
             "translate_ids": [ids],
-            "score": [tf.TensorSpec([None], tf.string, name="source"),
-                      tf.TensorSpec([None], tf.string, name="target")],
+            "score": [
+                tf.TensorSpec([None], tf.string, name="source"),
+                tf.TensorSpec([None], tf.string, name="target"),
+            ],
             "forward": [ids, tf.TensorSpec([None, None], tf.int32, name="target_ids")],
             "encode": [ids],
             "decoder_step": [
                 tf.TensorSpec([None], tf.int32, name="token_ids"),
                 tf.TensorSpec([], tf.int32, name="step"),
                 tf.TensorSpec([None, 1, None], tf.bool, name="memory_mask"),
-                *[tf.TensorSpec(cache, tf.float32, name=f"{kind}_{i}")
-                  for kind in self.cache_names() for i in range(self.num_layers)],
+                *[
+                    tf.TensorSpec(cache, tf.float32, name=f"{kind}_{i}")
+                    for kind in self.cache_names()
+                    for i in range(self.num_layers)
+                ],
             ],
         }[name]
 
     def function(self, name, jit_compile=False):
         """`name` as a `tf.function` with its input signature (traced on first use)."""
-        return tf.function(getattr(self, name), input_signature=self.specs(name),
-                           jit_compile=jit_compile)
+        return tf.function(getattr(self, name), input_signature=self.specs(name), jit_compile=jit_compile)
 
     @staticmethod
     def cache_names():
@@ -122,9 +129,13 @@ class TranslationGraphs:
         # encoder's matrix products have a defined inner size. Other inputs
         # are unchanged (0 columns added).
         source_ids = tf.pad(source_ids, [[0, 0], [0, tf.maximum(1 - tf.shape(source_ids)[1], 0)]])
-        result = beam_search(self.model, source_ids, beam_size=self.beam_size,
-                             length_penalty=self.length_penalty,
-                             max_extra_length=self.max_extra_length)
+        result = beam_search(
+            self.model,
+            source_ids,
+            beam_size=self.beam_size,
+            length_penalty=self.length_penalty,
+            max_extra_length=self.max_extra_length,
+        )
         return {"target_ids": result.ids, "scores": result.scores}
 
     def score(self, source, target):
@@ -174,8 +185,10 @@ class TranslationGraphs:
         the same way), and `present_key_i`, `present_value_i`.
         """
         n = self.num_layers
-        cache = {kind: list(caches[k * n:(k + 1) * n])
-                 for k, kind in enumerate(("self_key", "self_value", "cross_key", "cross_value"))}
+        cache = {
+            kind: list(caches[k * n : (k + 1) * n])
+            for k, kind in enumerate(("self_key", "self_value", "cross_key", "cross_value"))
+        }
         logits, cache = self.model.decode_step(token_ids, step, cache, memory_mask)
         outputs = {"logits": logits, "log_probs": tf.nn.log_softmax(logits, axis=-1)}
         for kind, name in (("self_key", "present_key"), ("self_value", "present_value")):
@@ -200,11 +213,15 @@ class TranslationGraphs:
             "tensorflow": tf.__version__,
             "keras": keras.__version__,
             "model": self.config.to_dict(),
-            "decoding": {"beam_size": self.beam_size, "length_penalty": self.length_penalty,
-                         "max_extra_length": self.max_extra_length},
+            "decoding": {
+                "beam_size": self.beam_size,
+                "length_penalty": self.length_penalty,
+                "max_extra_length": self.max_extra_length,
+            },
         }
 
     def source_ids(self, text, repair_utf8=False):
         """Strings -> padded, EOS-terminated source ids, truncated to `max_length`."""
-        return self.tokenizer.encode(text, max_length=self.config.max_length,
-                                     pad_to_max_length=False, repair_utf8=repair_utf8)
+        return self.tokenizer.encode(
+            text, max_length=self.config.max_length, pad_to_max_length=False, repair_utf8=repair_utf8
+        )

@@ -35,8 +35,10 @@ _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 def check_model_name(name):
     """`name` if usable as a TF Serving model name and directory, else a `UserError`."""
     if not isinstance(name, str) or not _MODEL_NAME.match(name):
-        raise UserError(f"Model name {name!r} is not usable: use letters, digits, '_', '-' and "
-                        f"'.', starting with a letter or digit.")
+        raise UserError(
+            f"Model name {name!r} is not usable: use letters, digits, '_', '-' and "
+            f"'.', starting with a letter or digit."
+        )
     return name
 
 
@@ -44,8 +46,11 @@ def versions(model_dir):
     """The complete versions (integer directory names) under `model_dir`, ascending."""
     if not os.path.isdir(model_dir):
         return []
-    return sorted(int(entry) for entry in os.listdir(model_dir)
-                  if entry.isdigit() and os.path.isdir(os.path.join(model_dir, entry)))
+    return sorted(
+        int(entry)
+        for entry in os.listdir(model_dir)
+        if entry.isdigit() and os.path.isdir(os.path.join(model_dir, entry))
+    )
 
 
 def next_version(model_dir):
@@ -58,8 +63,9 @@ def check_free(path, overwrite=False):
     """The absolute `path`; a `UserError` if it exists and not `overwrite`."""
     path = os.path.abspath(path)
     if os.path.exists(path) and not overwrite:
-        raise UserError(f"{path} already exists. Choose another --out/--version, or pass "
-                        f"--overwrite to replace it.")
+        raise UserError(
+            f"{path} already exists. Choose another --out/--version, or pass --overwrite to replace it."
+        )
     return path
 
 
@@ -88,8 +94,7 @@ def atomic_directory(path, overwrite=False):
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
     remove_abandoned(parent)
-    temporary = tempfile.mkdtemp(dir=parent,
-                                 prefix=f".partial-{os.path.basename(path)}-{os.getpid()}-")
+    temporary = tempfile.mkdtemp(dir=parent, prefix=f".partial-{os.path.basename(path)}-{os.getpid()}-")
     try:
         yield temporary
         os.chmod(temporary, 0o755)  # mkdtemp makes it private
@@ -103,8 +108,10 @@ def atomic_directory(path, overwrite=False):
     except Exception as error:
         # TensorFlow's writers raise their own error types; the message tells a full disk.
         if isinstance(error, OSError) or "No space left on device" in str(error):
-            raise StorageError(path, error if isinstance(error, OSError) else
-                               OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))) from error
+            raise StorageError(
+                path,
+                error if isinstance(error, OSError) else OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)),
+            ) from error
         raise
     finally:
         if os.path.exists(temporary):
@@ -142,9 +149,14 @@ def write_models_config(base_dir, serving_root="/models"):
     entries = []
     for name in sorted(os.listdir(base_dir)):
         if _MODEL_NAME.match(name) and versions(os.path.join(base_dir, name)):
-            entries.append(f"  config {{\n    name: \"{name}\"\n    base_path: "
-                           f"\"{serving_root}/{name}\"\n    model_platform: \"tensorflow\"\n  }}\n")
+            entries.append(
+                f'  config {{\n    name: "{name}"\n    base_path: '
+                f'"{serving_root}/{name}"\n    model_platform: "tensorflow"\n  }}\n'
+            )
     path = os.path.join(base_dir, "models.config")
-    atomic_write(path, "# TF Serving --model_config_file; written by keras-transformer export.\n"
-                       "model_config_list {\n" + "".join(entries) + "}\n")
+    atomic_write(
+        path,
+        "# TF Serving --model_config_file; written by keras-transformer export.\n"
+        "model_config_list {\n" + "".join(entries) + "}\n",
+    )
     return path

@@ -46,9 +46,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, compose, helper
 
+from export.graph_rewrites import simplify
 from export.graphs import TranslationGraphs
 from export.layout import atomic_directory
-from export.graph_rewrites import simplify
 
 OPSET = 17
 CONTRIB_DOMAIN = "ai.onnx.contrib"
@@ -105,16 +105,21 @@ def _int8(graphs, models, temporary, gate):
 
     quantized = {stem: quantize_int8(model) for stem, model in models.items()}
     integer, floating = count_quantized(quantized["translate"])
-    entry = {"type": "int8", "method": "onnxruntime.quantization.quantize_dynamic: MatMul weights "
-                                       "int8 per tensor, activations uint8 per call",
-             "translate_matmuls": {"int8": integer, "float32": floating}}
+    entry = {
+        "type": "int8",
+        "method": "onnxruntime.quantization.quantize_dynamic: MatMul weights "
+        "int8 per tensor, activations uint8 per call",
+        "translate_matmuls": {"int8": integer, "float32": floating},
+    }
     if gate is not None:
         # Both translate.onnx side by side in hidden scratch directories inside the partial export.
         directories = {name: os.path.join(temporary, f".gate-{name}") for name in QUANTIZATIONS}
         for name, directory in directories.items():
             graphs.write_assets(directory)
-            onnx.save((models if name == "float32" else quantized)["translate"],
-                      os.path.join(directory, "translate.onnx"))
+            onnx.save(
+                (models if name == "float32" else quantized)["translate"],
+                os.path.join(directory, "translate.onnx"),
+            )
         try:
             entry["gate"] = gate(directories["float32"], directories["int8"])
         finally:
@@ -129,9 +134,12 @@ def convert(graphs, name, extra_opset=None):
     import tf2onnx
 
     _patch_tf2onnx()
-    model, _ = tf2onnx.convert.from_function(tf.function(getattr(graphs, name)),
-                                             input_signature=graphs.specs(name), opset=OPSET,
-                                             extra_opset=extra_opset)
+    model, _ = tf2onnx.convert.from_function(
+        tf.function(getattr(graphs, name)),
+        input_signature=graphs.specs(name),
+        opset=OPSET,
+        extra_opset=extra_opset,
+    )
     _name_dynamic_axes(model)
     model.doc_string = f"keras-transformer {name}"
     return model
@@ -148,8 +156,7 @@ def text_graph(graphs, translate):
     tokenize = compose.add_prefix(tokenize, "tokenize/")
     translate = onnx.ModelProto.FromString(translate.SerializeToString())  # a copy
     translate.opset_import.append(helper.make_opsetid(CONTRIB_DOMAIN, 1))
-    model = compose.merge_models(tokenize, translate,
-                                 io_map=[(tokenize.graph.output[0].name, "source_ids")])
+    model = compose.merge_models(tokenize, translate, io_map=[(tokenize.graph.output[0].name, "source_ids")])
     _rename(model.graph, "tokenize/text", "text")
     _rename(model.graph, "scores", "score")
     model = _append_detokenizer(model, graphs.tokenizer.model_proto)
@@ -177,12 +184,14 @@ def _rename(graph, old, new):
 
 def describe(model):
     """`{"inputs": {name: [dtype, shape]}, "outputs": ...}` of an ONNX model."""
+
     def entries(values):
         result = {}
         for value in values:
             tensor = value.type.tensor_type
-            shape = [d.dim_param or (d.dim_value if d.HasField("dim_value") else None)
-                     for d in tensor.shape.dim]
+            shape = [
+                d.dim_param or (d.dim_value if d.HasField("dim_value") else None) for d in tensor.shape.dim
+            ]
             result[value.name] = [TensorProto.DataType.Name(tensor.elem_type).lower(), shape]
         return result
 
@@ -206,25 +215,44 @@ def _append_detokenizer(model, sentencepiece_model):
     body = helper.make_graph(
         [
             helper.make_node("Gather", ["detok_ids64", "row"], ["row_ids"], axis=0),
-            helper.make_node("SentencepieceDecoder", ["row_ids", "detok_fairseq"], ["row_text"],
-                             domain=CONTRIB_DOMAIN, model=sentencepiece_model),
+            helper.make_node(
+                "SentencepieceDecoder",
+                ["row_ids", "detok_fairseq"],
+                ["row_text"],
+                domain=CONTRIB_DOMAIN,
+                model=sentencepiece_model,
+            ),
             helper.make_node("Identity", ["cond_in"], ["cond_out"]),
         ],
         "detokenize_row",
-        [helper.make_tensor_value_info("row", TensorProto.INT64, []),
-         helper.make_tensor_value_info("cond_in", TensorProto.BOOL, [])],
-        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
-         helper.make_tensor_value_info("row_text", TensorProto.STRING, [1])],
+        [
+            helper.make_tensor_value_info("row", TensorProto.INT64, []),
+            helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+        ],
+        [
+            helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("row_text", TensorProto.STRING, [1]),
+        ],
     )
     nodes += [
-        helper.make_node("Loop", ["detok_rows", "", ], ["detok_texts"], body=body),
+        helper.make_node(
+            "Loop",
+            [
+                "detok_rows",
+                "",
+            ],
+            ["detok_texts"],
+            body=body,
+        ),
         helper.make_node("Reshape", ["detok_texts", "detok_flat"], ["translation"]),
     ]
-    graph.initializer.extend([
-        helper.make_tensor("detok_zero", TensorProto.INT64, [], [0]),
-        helper.make_tensor("detok_flat", TensorProto.INT64, [1], [-1]),
-        helper.make_tensor("detok_fairseq", TensorProto.BOOL, [1], [False]),
-    ])
+    graph.initializer.extend(
+        [
+            helper.make_tensor("detok_zero", TensorProto.INT64, [], [0]),
+            helper.make_tensor("detok_flat", TensorProto.INT64, [1], [-1]),
+            helper.make_tensor("detok_fairseq", TensorProto.BOOL, [1], [False]),
+        ]
+    )
     graph.node.extend(nodes)
     graph.output.insert(0, helper.make_tensor_value_info("translation", TensorProto.STRING, ["batch"]))
     return model

@@ -80,8 +80,7 @@ class SplitBeamSearch:
 
     def penalty(self, length):
         """GNMT length penalty ((5 + length) / 6) ** alpha, in float32."""
-        return np.power((np.float32(5.0) + np.asarray(length, np.float32)) / np.float32(6.0),
-                        self.alpha)
+        return np.power((np.float32(5.0) + np.asarray(length, np.float32)) / np.float32(6.0), self.alpha)
 
     def __call__(self, source_ids):
         """Source ids int32 `(batch, len_src)` -> `(target_ids (batch, max_len), scores (batch,))`."""
@@ -97,8 +96,12 @@ class SplitBeamSearch:
         if batch == 0:
             return np.zeros((0, max_len), np.int32), np.zeros((0,), np.float32)
 
-        encoded = dict(zip([o.name for o in self.encoder.get_outputs()],
-                           self.encoder.run(None, {"source_ids": source_ids})))
+        encoded = dict(
+            zip(
+                [o.name for o in self.encoder.get_outputs()],
+                self.encoder.run(None, {"source_ids": source_ids}),
+            )
+        )
         n, heads, depth = self.num_layers, config["num_heads"], config["d_model"] // config["num_heads"]
         feed = {"memory_mask": np.repeat(encoded["memory_mask"], beam, axis=0)}
         for kind in ("cross_key", "cross_value"):
@@ -120,8 +123,9 @@ class SplitBeamSearch:
         rows = np.arange(batch)[:, None]
 
         for step in range(max_len):
-            done = np.logical_or(finished_scores[:, -1] >= alive_log_probs[:, 0] / best_possible_penalty,
-                                 step >= limits)
+            done = np.logical_or(
+                finished_scores[:, -1] >= alive_log_probs[:, 0] / best_possible_penalty, step >= limits
+            )
             if done.all():
                 break
             feed["token_ids"], feed["step"] = last, np.array(step, np.int32)
@@ -131,8 +135,9 @@ class SplitBeamSearch:
             is_last = (step >= limits - 1)[:, None, None]
             ids = np.arange(vocab)
             never = np.logical_or(ids == pad, ids == config["bos_id"])  # as decoding._Setup.constrain
-            log_probs = np.where(np.logical_or(never, np.logical_and(is_last, ids != eos)), NEG_INF,
-                                 log_probs)
+            log_probs = np.where(
+                np.logical_or(never, np.logical_and(is_last, ids != eos)), NEG_INF, log_probs
+            )
             candidates = (alive_log_probs[:, :, None] + log_probs).reshape(batch, -1)
             top_index = _top_k(candidates, beam)
             top_log_probs = np.take_along_axis(candidates, top_index, axis=1)
@@ -142,8 +147,7 @@ class SplitBeamSearch:
             is_eos = tokens == eos
 
             eos_log_probs = np.where(is_eos, top_log_probs, NEG_INF).astype(np.float32)
-            pool_scores = np.concatenate(
-                [finished_scores, eos_log_probs / self.penalty(step + 1)], axis=1)
+            pool_scores = np.concatenate([finished_scores, eos_log_probs / self.penalty(step + 1)], axis=1)
             pool_log_probs = np.concatenate([finished_log_probs, eos_log_probs], axis=1)
             pool = np.concatenate([finished, sequences], axis=1)
             keep = _top_k(pool_scores, beam)
@@ -191,8 +195,7 @@ class TextGraph:
         sentences = list(sentences)
         if not sentences:
             return [], np.zeros((0,), np.float32)
-        outputs = dict(zip(self.names, self.session.run(
-            None, {"text": np.array(sentences, dtype=object)})))
+        outputs = dict(zip(self.names, self.session.run(None, {"text": np.array(sentences, dtype=object)})))
         return [str(t) for t in outputs["translation"]], outputs["score"]
 
 
@@ -219,7 +222,8 @@ class OnnxTranslator:
         metadata = read_metadata(export_dir)
         self.config = metadata["model"]
         self.processor = sentencepiece.SentencePieceProcessor(
-            model_file=os.path.join(export_dir, "tokenizer.model"))
+            model_file=os.path.join(export_dir, "tokenizer.model")
+        )
         self.mode = mode
         if mode == "split":
             self.search = SplitBeamSearch(export_dir, threads, metadata)
@@ -230,8 +234,10 @@ class OnnxTranslator:
     def encode(self, sentences):
         """Strings -> source ids `(batch, len_src)`: pieces truncated to max_length - 1, EOS, padding."""
         config = self.config
-        pieces = [ids[: config["max_length"] - 1] + [config["eos_id"]]
-                  for ids in self.processor.encode(list(sentences))]
+        pieces = [
+            ids[: config["max_length"] - 1] + [config["eos_id"]]
+            for ids in self.processor.encode(list(sentences))
+        ]
         source_ids = np.full((len(pieces), max(map(len, pieces), default=1)), config["pad_id"], np.int32)
         for row, ids in enumerate(pieces):
             source_ids[row, : len(ids)] = ids
@@ -253,14 +259,13 @@ class OnnxTranslator:
         lengths = [len(ids) for ids in self.processor.encode(sentences)]
         order = np.argsort(lengths, kind="stable")
         for start in range(0, len(order), self.batch_size):
-            batch = [sentences[i] for i in order[start: start + self.batch_size]]
+            batch = [sentences[i] for i in order[start : start + self.batch_size]]
             if self.mode == "text":
                 batch_texts, batch_scores = self.search(batch)
             else:
                 ids, batch_scores = self.search(self.encode(batch))
                 batch_texts = self.decode(ids)
-            for index, text, score in zip(order[start: start + self.batch_size], batch_texts,
-                                          batch_scores):
+            for index, text, score in zip(order[start : start + self.batch_size], batch_texts, batch_scores):
                 texts[index], scores[index] = text, score
         return texts, scores
 
@@ -270,8 +275,9 @@ def main(argv=None):
     import argparse
     import sys
 
-    parser = argparse.ArgumentParser(prog="python -m export.onnx_runtime",
-                                     description=main.__doc__.split(":", 1)[1].strip())
+    parser = argparse.ArgumentParser(
+        prog="python -m export.onnx_runtime", description=main.__doc__.split(":", 1)[1].strip()
+    )
     parser.add_argument("export_dir")
     parser.add_argument("--mode", choices=OnnxTranslator.MODES, default="full")
     parser.add_argument("--batch-size", type=int, default=64)

@@ -19,9 +19,11 @@ import tensorflow as tf
 from export.onnx_runtime import OnnxTranslator, make_session
 
 
-def check_parity(model, tokenizer, sentences, saved_model_dir=None, onnx_dir=None, beam_size=4,
-                 length_penalty=0.6):
-    """A report `{"sentences", "runtimes": {name: {"identical", "first_difference"}}, "max_logit_difference"}`.
+def check_parity(
+    model, tokenizer, sentences, saved_model_dir=None, onnx_dir=None, beam_size=4, length_penalty=0.6
+):
+    """A report `{"sentences", "runtimes": {name: {"identical", "first_difference"}},
+    "max_logit_difference"}`.
 
     `identical` counts the translations equal to Keras's (the reference).
     """
@@ -40,31 +42,41 @@ def check_parity(model, tokenizer, sentences, saved_model_dir=None, onnx_dir=Non
         for mode in ("full", "split"):
             outputs[f"onnx_{mode}"] = OnnxTranslator(onnx_dir, mode).translate(sentences)[0]
         outputs["onnx_text"] = translate_in_subprocess(onnx_dir, sentences, "text")
-        report["max_logit_difference"] = max_logit_difference(model, tokenizer, onnx_dir,
-                                                              sentences, reference)
+        report["max_logit_difference"] = max_logit_difference(
+            model, tokenizer, onnx_dir, sentences, reference
+        )
     for name, texts in outputs.items():
         differences = [i for i, (a, b) in enumerate(zip(reference, texts)) if a != b]
         report["runtimes"][name] = {
             "identical": len(sentences) - len(differences),
-            "first_difference": None if not differences else {
-                "index": differences[0], "keras": reference[differences[0]],
-                name: texts[differences[0]]},
+            "first_difference": None
+            if not differences
+            else {"index": differences[0], "keras": reference[differences[0]], name: texts[differences[0]]},
         }
     return report
 
 
 def translate_in_subprocess(onnx_dir, sentences, mode):
     """`OnnxTranslator(onnx_dir, mode).translate(sentences)[0]`, in a fresh Python without TensorFlow."""
-    code = ("import json, sys; from export.onnx_runtime import OnnxTranslator; "
-            "sentences = json.load(sys.stdin); "
-            f"print(json.dumps(OnnxTranslator(sys.argv[1], {mode!r}).translate(sentences)[0]))")
+    code = (
+        "import json, sys; from export.onnx_runtime import OnnxTranslator; "
+        "sentences = json.load(sys.stdin); "
+        f"print(json.dumps(OnnxTranslator(sys.argv[1], {mode!r}).translate(sentences)[0]))"
+    )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    completed = subprocess.run([sys.executable, "-c", code, onnx_dir], input=json.dumps(sentences),
-                               capture_output=True, text=True, env=env, check=False)
+    completed = subprocess.run(
+        [sys.executable, "-c", code, onnx_dir],
+        input=json.dumps(sentences),
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
     if completed.returncode != 0:
-        raise RuntimeError(f"ONNX Runtime ({mode}) failed with status {completed.returncode}:\n"
-                           f"{completed.stderr[-2000:]}")
+        raise RuntimeError(
+            f"ONNX Runtime ({mode}) failed with status {completed.returncode}:\n{completed.stderr[-2000:]}"
+        )
     return json.loads(completed.stdout)
 
 
@@ -72,13 +84,16 @@ def max_logit_difference(model, tokenizer, onnx_dir, sentences, targets):
     """Largest |logit| difference between `forward.onnx` and Keras, teacher-forced on `targets`."""
     from keras_transformer.tokenizer import BOS_ID
 
-    source_ids = tokenizer.encode(tf.constant(sentences), max_length=model.config.max_length,
-                                  pad_to_max_length=False).numpy()
-    target_ids = tokenizer.encode(tf.constant(targets), max_length=model.config.max_length - 1,
-                                  add_eos=False, pad_to_max_length=False).numpy()
+    source_ids = tokenizer.encode(
+        tf.constant(sentences), max_length=model.config.max_length, pad_to_max_length=False
+    ).numpy()
+    target_ids = tokenizer.encode(
+        tf.constant(targets), max_length=model.config.max_length - 1, add_eos=False, pad_to_max_length=False
+    ).numpy()
     target_ids = np.concatenate([np.full((len(targets), 1), BOS_ID, np.int32), target_ids], axis=1)
-    keras_logits = np.asarray(model({"source_ids": source_ids, "target_ids": target_ids},
-                                    training=False), np.float32)
+    keras_logits = np.asarray(
+        model({"source_ids": source_ids, "target_ids": target_ids}, training=False), np.float32
+    )
     session = make_session(os.path.join(onnx_dir, "forward.onnx"))
     onnx_logits = session.run(["logits"], {"source_ids": source_ids, "target_ids": target_ids})[0]
     return float(np.max(np.abs(onnx_logits - keras_logits)))

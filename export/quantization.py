@@ -33,7 +33,8 @@ DEFAULT_MAX_BLEU_DROP = 1.0
 
 
 def quantize_int8(model):
-    """An int8 copy of the ONNX `model` (a `ModelProto`): `MatMul`s with a constant weight, dynamic activations."""
+    """An int8 copy of the ONNX `model` (a `ModelProto`): `MatMul`s with a constant weight, dynamic
+    activations."""
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
@@ -46,8 +47,13 @@ def quantize_int8(model):
     try:
         with tempfile.TemporaryDirectory() as directory:
             path = os.path.join(directory, "int8.onnx")
-            quantize_dynamic(model, path, weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"],
-                             extra_options={"EnableSubgraph": True})
+            quantize_dynamic(
+                model,
+                path,
+                weight_type=QuantType.QInt8,
+                op_types_to_quantize=["MatMul"],
+                extra_options={"EnableSubgraph": True},
+            )
             quantized = onnx.load(path)
     finally:
         root.removeFilter(advice)
@@ -81,8 +87,16 @@ class BleuGate:
     report for `export.json` or raises `QuantizationRefused`.
     """
 
-    def __init__(self, sources, references, target_lang=None, max_drop=DEFAULT_MAX_BLEU_DROP,
-                 force=False, threads=None, log=None):
+    def __init__(
+        self,
+        sources,
+        references,
+        target_lang=None,
+        max_drop=DEFAULT_MAX_BLEU_DROP,
+        force=False,
+        threads=None,
+        log=None,
+    ):
         if not sources or len(sources) != len(references):
             raise ValueError("BleuGate needs aligned, non-empty validation pairs.")
         if max_drop < 0:
@@ -98,27 +112,36 @@ class BleuGate:
         scores, texts, seconds = {}, {}, {}
         for name, directory in (("float32", float_dir), ("int8", int8_dir)):
             start = time.perf_counter()
-            texts[name] = OnnxTranslator(directory, "full", batch_size=32,
-                                         threads=self.threads).translate(self.sources)[0]
+            texts[name] = OnnxTranslator(directory, "full", batch_size=32, threads=self.threads).translate(
+                self.sources
+            )[0]
             seconds[name] = round(time.perf_counter() - start, 1)
             scores[name] = score_translations(texts[name], self.references, self.target_lang)
         drop = scores["float32"].bleu - scores["int8"].bleu
         report = {
             "sentences": len(self.sources),
-            "bleu_float32": round(scores["float32"].bleu, 2), "bleu_int8": round(scores["int8"].bleu, 2),
-            "bleu_drop": round(drop, 2), "max_bleu_drop": self.max_drop,
-            "chrf_float32": round(scores["float32"].chrf, 2), "chrf_int8": round(scores["int8"].chrf, 2),
+            "bleu_float32": round(scores["float32"].bleu, 2),
+            "bleu_int8": round(scores["int8"].bleu, 2),
+            "bleu_drop": round(drop, 2),
+            "max_bleu_drop": self.max_drop,
+            "chrf_float32": round(scores["float32"].chrf, 2),
+            "chrf_int8": round(scores["int8"].chrf, 2),
             "identical_translations": sum(a == b for a, b in zip(texts["float32"], texts["int8"])),
-            "bleu_signature": scores["int8"].bleu_signature, "seconds": seconds,
-            "passed": drop <= self.max_drop, "forced": bool(self.force and drop > self.max_drop),
+            "bleu_signature": scores["int8"].bleu_signature,
+            "seconds": seconds,
+            "passed": drop <= self.max_drop,
+            "forced": bool(self.force and drop > self.max_drop),
         }
         if self.log is not None:
-            self.log(f"int8 check on {len(self.sources)} validation pairs: BLEU {report['bleu_float32']} "
-                     f"(float32) -> {report['bleu_int8']} (int8), {report['identical_translations']} "
-                     f"identical translations")
+            self.log(
+                f"int8 check on {len(self.sources)} validation pairs: BLEU {report['bleu_float32']} "
+                f"(float32) -> {report['bleu_int8']} (int8), {report['identical_translations']} "
+                f"identical translations"
+            )
         if drop > self.max_drop and not self.force:
             raise QuantizationRefused(
                 f"int8 loses {drop:.2f} BLEU on {len(self.sources)} validation pairs (float32 "
                 f"{scores['float32'].bleu:.2f}, int8 {scores['int8'].bleu:.2f}), more than the allowed "
-                f"{self.max_drop:g}; nothing written. Export float32, or pass --max-bleu-drop or --force.")
+                f"{self.max_drop:g}; nothing written. Export float32, or pass --max-bleu-drop or --force."
+            )
         return report

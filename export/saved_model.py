@@ -31,8 +31,7 @@ import keras
 from export.graphs import TranslationGraphs
 from export.layout import atomic_directory, check_model_name, next_version, write_models_config
 
-SIGNATURES = (("serving_default", "translate_text"), ("translate_ids", "translate_ids"),
-              ("score", "score"))
+SIGNATURES = (("serving_default", "translate_text"), ("translate_ids", "translate_ids"), ("score", "score"))
 
 
 def export_saved_model(graphs, out_dir, name, version=None, overwrite=False):
@@ -61,4 +60,3 @@ def export_saved_model(graphs, out_dir, name, version=None, overwrite=False):
         graphs.write_assets(os.path.join(temporary, "assets.extra"))  # TF Serving ignores it
     write_models_config(out_dir)
     return path
-

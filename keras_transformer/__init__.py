@@ -10,8 +10,8 @@ from keras_transformer.decoder import Decoder, DecoderLayer
 from keras_transformer.decoding import Translations, beam_search, greedy_search
 from keras_transformer.dropout import Dropout
 from keras_transformer.embedding import TokenEmbedding
-from keras_transformer.evaluation import Scores, score_translations
 from keras_transformer.encoder import Encoder, EncoderLayer
+from keras_transformer.evaluation import Scores, score_translations
 from keras_transformer.feed_forward import PositionwiseFeedForward
 from keras_transformer.losses import LabelSmoothedCrossEntropy, MaskedTokenAccuracy
 from keras_transformer.masks import causal_mask, combine_masks, padding_mask
@@ -24,11 +24,39 @@ from keras_transformer.training import compile_transformer, make_optimizer
 from keras_transformer.transformer import Transformer
 
 __all__ = [
-    "ATTENTION_MODES", "PRESETS", "Corpus", "CorpusError", "Scores", "Tokenizer", "load_corpus",
-    "make_dataset", "score_translations", "Translations", "beam_search", "greedy_search", "Decoder", "DecoderLayer", "Dropout", "Encoder", "EncoderLayer",
-    "LabelSmoothedCrossEntropy", "MaskedTokenAccuracy", "MultiHeadAttention", "NoamSchedule",
-    "PositionwiseFeedForward", "SinusoidalPositionalEncoding", "TokenEmbedding", "Transformer",
-    "TransformerConfig", "causal_mask", "combine_masks", "compile_transformer", "make_optimizer",
-    "masked_softmax", "padding_mask", "scaled_dot_product_attention", "sequence_task",
+    "ATTENTION_MODES",
+    "PRESETS",
+    "Corpus",
+    "CorpusError",
+    "Scores",
+    "Tokenizer",
+    "load_corpus",
+    "make_dataset",
+    "score_translations",
+    "Translations",
+    "beam_search",
+    "greedy_search",
+    "Decoder",
+    "DecoderLayer",
+    "Dropout",
+    "Encoder",
+    "EncoderLayer",
+    "LabelSmoothedCrossEntropy",
+    "MaskedTokenAccuracy",
+    "MultiHeadAttention",
+    "NoamSchedule",
+    "PositionwiseFeedForward",
+    "SinusoidalPositionalEncoding",
+    "TokenEmbedding",
+    "Transformer",
+    "TransformerConfig",
+    "causal_mask",
+    "combine_masks",
+    "compile_transformer",
+    "make_optimizer",
+    "masked_softmax",
+    "padding_mask",
+    "scaled_dot_product_attention",
+    "sequence_task",
     "sinusoidal_table",
 ]

@@ -46,11 +46,13 @@ class TokenizedPairs:
             equal shares (multi-worker training slices every batch by rows).
     """
 
-    def __init__(self, sources, targets, tokenizer, batch_tokens=4096, max_length=256,
-                 bucket_width=8, row_multiple=1):
+    def __init__(
+        self, sources, targets, tokenizer, batch_tokens=4096, max_length=256, bucket_width=8, row_multiple=1
+    ):
         if min(batch_tokens, max_length, bucket_width, row_multiple) < 1:
-            raise ValueError("batch_tokens, max_length, bucket_width and row_multiple must be "
-                             "positive integers.")
+            raise ValueError(
+                "batch_tokens, max_length, bucket_width and row_multiple must be positive integers."
+            )
         source_ids = tokenizer.tokenize(tf.constant(list(sources)))
         target_ids = tokenizer.tokenize(tf.constant(list(targets)))
         lengths = np.maximum(source_ids.row_lengths().numpy(), target_ids.row_lengths().numpy()) + 1
@@ -58,14 +60,20 @@ class TokenizedPairs:
         self.source_ids = tf.ragged.boolean_mask(source_ids, keep)
         self.target_ids = tf.ragged.boolean_mask(target_ids, keep)
         self.bucket_width, self.max_length, self.row_multiple = bucket_width, max_length, row_multiple
-        self.bucket_lengths = [min(b, max_length)
-                               for b in range(bucket_width, max_length + bucket_width, bucket_width)]
+        self.bucket_lengths = [
+            min(b, max_length) for b in range(bucket_width, max_length + bucket_width, bucket_width)
+        ]
         self.batch_sizes = [max(1, batch_tokens // length) for length in self.bucket_lengths]
-        per_bucket = np.bincount(np.searchsorted(self.bucket_lengths, lengths[keep]),
-                                 minlength=len(self.bucket_lengths))
+        per_bucket = np.bincount(
+            np.searchsorted(self.bucket_lengths, lengths[keep]), minlength=len(self.bucket_lengths)
+        )
         batches = int(np.sum(-(-per_bucket // np.array(self.batch_sizes))))
-        self.info = DatasetInfo(examples=int(keep.sum()), dropped=int((~keep).sum()),
-                                batches=batches, bucket_lengths=tuple(self.bucket_lengths))
+        self.info = DatasetInfo(
+            examples=int(keep.sum()),
+            dropped=int((~keep).sum()),
+            batches=batches,
+            bucket_lengths=tuple(self.bucket_lengths),
+        )
 
     def epoch(self, epoch, seed=0, skip=0):
         """One epoch of batches in the order fixed by `(seed, epoch)`, minus the first `skip`."""
@@ -78,9 +86,9 @@ class TokenizedPairs:
 
         def one_epoch(epoch):
             order = tf.random.experimental.stateless_shuffle(
-                tf.range(count, dtype=tf.int64), seed=tf.stack([tf.constant(seed, tf.int64), epoch]))
-            pairs = tf.data.Dataset.from_tensor_slices(order).map(
-                lambda i: (source_ids[i], target_ids[i]))
+                tf.range(count, dtype=tf.int64), seed=tf.stack([tf.constant(seed, tf.int64), epoch])
+            )
+            pairs = tf.data.Dataset.from_tensor_slices(order).map(lambda i: (source_ids[i], target_ids[i]))
             return self._batch(pairs)
 
         dataset = tf.data.Dataset.range(first, stop).flat_map(one_epoch).skip(skip)
@@ -111,10 +119,12 @@ class TokenizedPairs:
 
         batches = pairs.map(add_specials).bucket_by_sequence_length(
             element_length_func=lambda source, target_in, labels: tf.maximum(
-                tf.shape(source)[0], tf.shape(labels)[0]),
+                tf.shape(source)[0], tf.shape(labels)[0]
+            ),
             bucket_boundaries=[length + 1 for length in self.bucket_lengths[:-1]],
             bucket_batch_sizes=self.batch_sizes,
-            padded_shapes=([None], [None], [None]), padding_values=(PAD_ID, PAD_ID, PAD_ID),
+            padded_shapes=([None], [None], [None]),
+            padding_values=(PAD_ID, PAD_ID, PAD_ID),
         )
         return batches.map(self._pad_to_bucket, num_parallel_calls=tf.data.AUTOTUNE)
 
@@ -131,8 +141,9 @@ class TokenizedPairs:
         return {"source_ids": pad(source), "target_ids": pad(target_in)}, pad(labels)
 
 
-def make_dataset(sources, targets, tokenizer, batch_tokens=4096, max_length=256,
-                 bucket_width=8, shuffle=True, seed=0):
+def make_dataset(
+    sources, targets, tokenizer, batch_tokens=4096, max_length=256, bucket_width=8, shuffle=True, seed=0
+):
     """One epoch of batches for `model.fit` (see `TokenizedPairs`).
 
     Returns:

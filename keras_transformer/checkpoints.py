@@ -152,9 +152,11 @@ class EpochCheckpoints(keras.callbacks.Callback):
         manifest = _read_json(os.path.join(self.directory, MANIFEST)) or {}
         manifest[name] = {"sha256": sha, "random_state": random_state(self.model)}
         paths = epoch_checkpoints(self.directory)
-        kept = {os.path.basename(path) for path in paths[-self.keep:]}
-        atomic_write(os.path.join(self.directory, MANIFEST),
-                     json.dumps({k: v for k, v in manifest.items() if k in kept}, sort_keys=True))
+        kept = {os.path.basename(path) for path in paths[-self.keep :]}
+        atomic_write(
+            os.path.join(self.directory, MANIFEST),
+            json.dumps({k: v for k, v in manifest.items() if k in kept}, sort_keys=True),
+        )
         for path in paths[: -self.keep]:
             os.remove(path)
 
@@ -166,8 +168,15 @@ def checkpoint_snapshots(directory):
     for path in epoch_checkpoints(directory):
         name = os.path.basename(path)
         entry = manifest.get(name) if isinstance(manifest.get(name), dict) else {}
-        snapshots.append(Snapshot(path, int(CHECKPOINT_PATTERN.search(name).group(1)), 0,
-                                  entry.get("sha256"), entry.get("random_state")))
+        snapshots.append(
+            Snapshot(
+                path,
+                int(CHECKPOINT_PATTERN.search(name).group(1)),
+                0,
+                entry.get("sha256"),
+                entry.get("random_state"),
+            )
+        )
     return snapshots
 
 
@@ -219,8 +228,14 @@ class TrainingState(keras.callbacks.Callback):
             previous = current.get("previous")
         else:
             previous = {k: v for k, v in current.items() if k != "previous"} or None
-        state = {"epoch": epoch, "step": step, "weights": name, "sha256": sha,
-                 "random_state": random_state(self.model), "previous": previous}
+        state = {
+            "epoch": epoch,
+            "step": step,
+            "weights": name,
+            "sha256": sha,
+            "random_state": random_state(self.model),
+            "previous": previous,
+        }
         atomic_write(os.path.join(self.directory, "state.json"), json.dumps(state))
         keep = {name, previous.get("weights") if isinstance(previous, dict) else None}
         for old in glob.glob(os.path.join(self.directory, "state-*.weights.h5")):
@@ -237,9 +252,15 @@ def state_snapshots(directory):
     snapshots = []
     for entry in entries:
         try:
-            snapshots.append(Snapshot(os.path.join(directory, entry["weights"]), int(entry["epoch"]),
-                                      int(entry["step"]), entry.get("sha256"),
-                                      entry.get("random_state")))
+            snapshots.append(
+                Snapshot(
+                    os.path.join(directory, entry["weights"]),
+                    int(entry["epoch"]),
+                    int(entry["step"]),
+                    entry.get("sha256"),
+                    entry.get("random_state"),
+                )
+            )
         except (KeyError, TypeError, ValueError):
             continue
     listed = {s.path for s in snapshots}
@@ -259,8 +280,9 @@ def restore_latest(model, state_dir, checkpoints_dir, log=print):
     """
     candidates = state_snapshots(state_dir) + checkpoint_snapshots(checkpoints_dir)
     # Newest first; at the same point a state (it was written last) before an epoch checkpoint.
-    candidates.sort(key=lambda s: (s.epoch, s.step, os.path.dirname(s.path) == os.fspath(state_dir)),
-                    reverse=True)
+    candidates.sort(
+        key=lambda s: (s.epoch, s.step, os.path.dirname(s.path) == os.fspath(state_dir)), reverse=True
+    )
     for snapshot in candidates:
         try:
             snapshot.load_into(model)
@@ -270,8 +292,10 @@ def restore_latest(model, state_dir, checkpoints_dir, log=print):
         log(f"Resuming from {snapshot.path}: epoch {snapshot.epoch + 1}, step {snapshot.step}.")
         return snapshot.epoch, snapshot.step
     if candidates:
-        raise CorruptCheckpoint(f"No intact state or epoch checkpoint is left in {state_dir} or "
-                                f"{checkpoints_dir}; start the run again with --overwrite.")
+        raise CorruptCheckpoint(
+            f"No intact state or epoch checkpoint is left in {state_dir} or "
+            f"{checkpoints_dir}; start the run again with --overwrite."
+        )
     return 0, 0
 
 

@@ -41,9 +41,11 @@ def _presets(args):
     print("|--------|--------|---------|-------|------|---------|------------|------------|")
     for name, values in PRESETS.items():
         count = Transformer.from_preset(name, vocab_size=args.vocab_size).count_params()
-        print(f"| {name:<6} | {values['num_layers']:>3}+{values['num_layers']:<2} | "
-              f"{values['d_model']:>7} | {values['num_heads']:>5} | {values['d_ff']:>4} | "
-              f"{values['dropout_rate']:>7} | {values['max_length']:>10} | {count:>10,} |")
+        print(
+            f"| {name:<6} | {values['num_layers']:>3}+{values['num_layers']:<2} | "
+            f"{values['d_model']:>7} | {values['num_heads']:>5} | {values['d_ff']:>4} | "
+            f"{values['dropout_rate']:>7} | {values['max_length']:>10} | {count:>10,} |"
+        )
     return 0
 
 
@@ -51,17 +53,35 @@ def _train(args):
     from keras_transformer.trainer import TrainingOptions, train
 
     options = TrainingOptions(
-        out=args.out, data=args.data, data_dir=args.data_dir, source_lang=args.source_lang,
-        target_lang=args.target_lang, preset=args.preset, overrides=dict(args.set),
-        vocab_size=args.vocab_size, epochs=args.epochs, batch_tokens=args.batch_tokens,
-        max_length=args.max_length, warmup_steps=args.warmup_steps,
-        learning_rate_scale=args.learning_rate_scale, learning_rate=args.learning_rate,
-        clip_norm=args.clip_norm, label_smoothing=args.label_smoothing,
-        strategy=args.strategy, mixed_precision=args.mixed_precision, xla=args.xla,
-        grad_accum=args.grad_accum, max_minutes=args.max_minutes, keep_checkpoints=args.keep_checkpoints,
-        average_last=args.average_last, val_bleu=args.val_bleu,
-        save_every_steps=args.save_every_steps, resume=args.resume, overwrite=args.overwrite,
-        seed=args.seed)
+        out=args.out,
+        data=args.data,
+        data_dir=args.data_dir,
+        source_lang=args.source_lang,
+        target_lang=args.target_lang,
+        preset=args.preset,
+        overrides=dict(args.set),
+        vocab_size=args.vocab_size,
+        epochs=args.epochs,
+        batch_tokens=args.batch_tokens,
+        max_length=args.max_length,
+        warmup_steps=args.warmup_steps,
+        learning_rate_scale=args.learning_rate_scale,
+        learning_rate=args.learning_rate,
+        clip_norm=args.clip_norm,
+        label_smoothing=args.label_smoothing,
+        strategy=args.strategy,
+        mixed_precision=args.mixed_precision,
+        xla=args.xla,
+        grad_accum=args.grad_accum,
+        max_minutes=args.max_minutes,
+        keep_checkpoints=args.keep_checkpoints,
+        average_last=args.average_last,
+        val_bleu=args.val_bleu,
+        save_every_steps=args.save_every_steps,
+        resume=args.resume,
+        overwrite=args.overwrite,
+        seed=args.seed,
+    )
     result = train(options)
     if result.status == "preempted":
         from keras_transformer.preemption import EXIT_PREEMPTED
@@ -76,8 +96,13 @@ def _load(args):
 
     run, model_path = resolve_model(args.model)
     model = load_model(model_path)
-    translator = Translator(model, run.tokenizer(), beam_size=args.beam_size,
-                            length_penalty=args.length_penalty, batch_size=args.batch_size)
+    translator = Translator(
+        model,
+        run.tokenizer(),
+        beam_size=args.beam_size,
+        length_penalty=args.length_penalty,
+        batch_size=args.batch_size,
+    )
     return run, model, translator
 
 
@@ -92,8 +117,9 @@ class _Progress:
         if self.drawn:
             filled = int(30 * done / max(1, self.total))
             rate = done / max(1e-9, time.perf_counter() - self.start)
-            sys.stderr.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {done}/{self.total} "
-                             f"{self.what} ({rate:.1f}/s)")
+            sys.stderr.write(
+                f"\r[{'#' * filled}{'.' * (30 - filled)}] {done}/{self.total} {self.what} ({rate:.1f}/s)"
+            )
             sys.stderr.flush()
 
     def close(self):
@@ -110,8 +136,11 @@ def _translate(args):
         try:
             lines.append(text.decode("utf-8"))
         except UnicodeDecodeError:
-            print(f"keras-transformer: warning: input line {number} is not valid UTF-8; invalid "
-                  f"bytes replaced by U+FFFD.", file=sys.stderr)
+            print(
+                f"keras-transformer: warning: input line {number} is not valid UTF-8; invalid "
+                f"bytes replaced by U+FFFD.",
+                file=sys.stderr,
+            )
             lines.append(text.decode("utf-8", errors="replace"))
     progress = _Progress(len(lines))
     texts, scores = translator.translate(lines, progress)
@@ -143,17 +172,33 @@ def _evaluate(args):
     name = f"{args.data.split(':')[0]}-{args.split}"
     output = args.output or str(run.path / f"translations-{name}.txt")
     atomic_write(output, "".join(f"{line}\n" for line in hypotheses))
-    run.write_json(run.path / f"eval-{name}.json", {
-        "model": str(args.model), "data": args.data, "split": args.split, "sentences": len(sources),
-        "beam_size": args.beam_size, "length_penalty": args.length_penalty,
-        "bleu": scores.bleu, "bleu_signature": scores.bleu_signature,
-        "chrf": scores.chrf, "chrf_signature": scores.chrf_signature,
-        "paper_bleu": scores.paper_bleu, "paper_signature": scores.paper_signature,
-        "seconds": round(seconds, 1)})
-    missing = "" if scores.paper_bleu is not None else (
-        "\n(The paper metric needs sacremoses: pip install sacremoses.)")
-    print(f"{args.data} {args.split} ({len(sources)} sentences, beam {args.beam_size}, "
-          f"alpha {args.length_penalty}):\n{scores}{missing}\nTranslations: {output}")
+    run.write_json(
+        run.path / f"eval-{name}.json",
+        {
+            "model": str(args.model),
+            "data": args.data,
+            "split": args.split,
+            "sentences": len(sources),
+            "beam_size": args.beam_size,
+            "length_penalty": args.length_penalty,
+            "bleu": scores.bleu,
+            "bleu_signature": scores.bleu_signature,
+            "chrf": scores.chrf,
+            "chrf_signature": scores.chrf_signature,
+            "paper_bleu": scores.paper_bleu,
+            "paper_signature": scores.paper_signature,
+            "seconds": round(seconds, 1),
+        },
+    )
+    missing = (
+        ""
+        if scores.paper_bleu is not None
+        else ("\n(The paper metric needs sacremoses: pip install sacremoses.)")
+    )
+    print(
+        f"{args.data} {args.split} ({len(sources)} sentences, beam {args.beam_size}, "
+        f"alpha {args.length_penalty}):\n{scores}{missing}\nTranslations: {output}"
+    )
     return 0
 
 
@@ -164,20 +209,29 @@ def _export(args):
     from keras_transformer.validation import UserError
 
     if args.quantization != "float32" and args.format == "saved_model":
-        raise UserError(f"--quantization {args.quantization} is available for --format onnx and "
-                        f"ctranslate2; saved_model exports are float32 (TF Serving has no int8 path "
-                        f"for them).")
-    gate_options = [flag for flag, given in (("--max-bleu-drop", args.max_bleu_drop is not None),
-                                             ("--force", args.force),
-                                             ("--gate-sentences", args.gate_sentences is not None),
-                                             ("--data", args.data is not None),
-                                             ("--data-dir", args.data_dir is not None))
-                    if given]
+        raise UserError(
+            f"--quantization {args.quantization} is available for --format onnx and "
+            f"ctranslate2; saved_model exports are float32 (TF Serving has no int8 path "
+            f"for them)."
+        )
+    gate_options = [
+        flag
+        for flag, given in (
+            ("--max-bleu-drop", args.max_bleu_drop is not None),
+            ("--force", args.force),
+            ("--gate-sentences", args.gate_sentences is not None),
+            ("--data", args.data is not None),
+            ("--data-dir", args.data_dir is not None),
+        )
+        if given
+    ]
     if gate_options and not (args.format == "onnx" and args.quantization == "int8"):
-        raise UserError(f"{' and '.join(gate_options)} {'is' if len(gate_options) == 1 else 'are'} "
-                        f"for --format onnx --quantization int8 only (the int8 check on validation "
-                        f"BLEU); drop {'it' if len(gate_options) == 1 else 'them'} or add "
-                        f"--quantization int8.")
+        raise UserError(
+            f"{' and '.join(gate_options)} {'is' if len(gate_options) == 1 else 'are'} "
+            f"for --format onnx --quantization int8 only (the int8 check on validation "
+            f"BLEU); drop {'it' if len(gate_options) == 1 else 'them'} or add "
+            f"--quantization int8."
+        )
     run, model_path = resolve_model(args.model)
     name = check_model_name(args.name or os.path.basename(os.path.abspath(run.path)))
     # One exporter at a time per destination: the TF Serving base directory
@@ -194,9 +248,13 @@ def _export(args):
             return _write_ctranslate2(args, model, tokenizer)
         from export.graphs import TranslationGraphs
 
-        graphs = TranslationGraphs(model, tokenizer, beam_size=args.beam_size,
-                                   length_penalty=args.length_penalty,
-                                   max_extra_length=args.max_extra_length)
+        graphs = TranslationGraphs(
+            model,
+            tokenizer,
+            beam_size=args.beam_size,
+            length_penalty=args.length_penalty,
+            max_extra_length=args.max_extra_length,
+        )
         return _write_export(args, graphs, name, run)
 
 
@@ -204,12 +262,22 @@ def _write_ctranslate2(args, model, tokenizer):
     from export.ctranslate2 import export_ctranslate2
 
     start = time.perf_counter()
-    path = export_ctranslate2(model, tokenizer, args.out, quantization=args.quantization,
-                              beam_size=args.beam_size, length_penalty=args.length_penalty,
-                              max_extra_length=args.max_extra_length, overwrite=args.overwrite)
-    print(f"Wrote the CTranslate2 model ({args.quantization}) to {path} in "
-          f"{time.perf_counter() - start:.0f}s.\nTranslate with it: "
-          f"python -m export.ctranslate2 {path} < input.txt", file=sys.stderr)
+    path = export_ctranslate2(
+        model,
+        tokenizer,
+        args.out,
+        quantization=args.quantization,
+        beam_size=args.beam_size,
+        length_penalty=args.length_penalty,
+        max_extra_length=args.max_extra_length,
+        overwrite=args.overwrite,
+    )
+    print(
+        f"Wrote the CTranslate2 model ({args.quantization}) to {path} in "
+        f"{time.perf_counter() - start:.0f}s.\nTranslate with it: "
+        f"python -m export.ctranslate2 {path} < input.txt",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -218,12 +286,14 @@ def _write_export(args, graphs, name, run):
     if args.format == "saved_model":
         from export.saved_model import export_saved_model
 
-        path = export_saved_model(graphs, args.out, name, version=args.version,
-                                  overwrite=args.overwrite)
-        print(f"Wrote the SavedModel {path} in {time.perf_counter() - start:.0f}s (signatures "
-              f"serving_default, translate_ids, score) and {os.path.join(args.out, 'models.config')}.\n"
-              f"Serve it: docker run -p 8501:8501 -v {os.path.abspath(args.out)}:/models "
-              f"-e MODEL_NAME={name} tensorflow/serving", file=sys.stderr)
+        path = export_saved_model(graphs, args.out, name, version=args.version, overwrite=args.overwrite)
+        print(
+            f"Wrote the SavedModel {path} in {time.perf_counter() - start:.0f}s (signatures "
+            f"serving_default, translate_ids, score) and {os.path.join(args.out, 'models.config')}.\n"
+            f"Serve it: docker run -p 8501:8501 -v {os.path.abspath(args.out)}:/models "
+            f"-e MODEL_NAME={name} tensorflow/serving",
+            file=sys.stderr,
+        )
     else:
         from export.onnx import export_onnx
 
@@ -231,10 +301,13 @@ def _write_export(args, graphs, name, run):
             print(line, file=sys.stderr)
 
         gate = _int8_gate(args, run, log) if args.quantization == "int8" else None
-        path = export_onnx(graphs, args.out, overwrite=args.overwrite, log=log,
-                           quantization=args.quantization, gate=gate)
-        print(f"Wrote the {args.quantization} ONNX graphs to {path} in "
-              f"{time.perf_counter() - start:.0f}s.", file=sys.stderr)
+        path = export_onnx(
+            graphs, args.out, overwrite=args.overwrite, log=log, quantization=args.quantization, gate=gate
+        )
+        print(
+            f"Wrote the {args.quantization} ONNX graphs to {path} in {time.perf_counter() - start:.0f}s.",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -247,16 +320,16 @@ def _int8_gate(args, run, log):
     options = run.settings()["options"]
     data = args.data or options["data"]
     data_dir = args.data_dir or (options.get("data_dir") if args.data is None else None)
-    corpus = load_corpus(data, data_dir, options.get("source_lang", "en"),
-                         options.get("target_lang", "de"))
+    corpus = load_corpus(data, data_dir, options.get("source_lang", "en"), options.get("target_lang", "de"))
     sources, references = validation_pairs(corpus)
     if args.gate_sentences:
         sources, references = sources[: args.gate_sentences], references[: args.gate_sentences]
     max_drop = DEFAULT_MAX_BLEU_DROP if args.max_bleu_drop is None else args.max_bleu_drop
-    log(f"int8: translating {len(sources)} validation pairs ({data}) with float32 and int8 to "
-        f"compare BLEU (allowed drop {max_drop:g})")
-    return BleuGate(sources, references, corpus.target_lang, max_drop=max_drop, force=args.force,
-                    log=log)
+    log(
+        f"int8: translating {len(sources)} validation pairs ({data}) with float32 and int8 to "
+        f"compare BLEU (allowed drop {max_drop:g})"
+    )
+    return BleuGate(sources, references, corpus.target_lang, max_drop=max_drop, force=args.force, log=log)
 
 
 def _average(args):
@@ -282,24 +355,24 @@ def _attention(args):
     source_ids = translator.encode([args.text]).numpy()
     target = args.target if args.target is not None else translator.translate([args.text])[0][0]
     target_ids = np.concatenate([[BOS_ID], tokenizer.tokenize([target]).numpy()[0]])[None]
-    weights = model.attention_weights({"source_ids": source_ids,
-                                       "target_ids": target_ids.astype("int32")})
+    weights = model.attention_weights({"source_ids": source_ids, "target_ids": target_ids.astype("int32")})
     pieces = tokenizer.processor.id_to_piece
-    plot_attention(weights, [pieces(int(i)) for i in source_ids[0]],
-                   [pieces(int(i)) for i in target_ids[0]], args.out)
+    plot_attention(
+        weights, [pieces(int(i)) for i in source_ids[0]], [pieces(int(i)) for i in target_ids[0]], args.out
+    )
     print(f"Translation: {target}\nAttention heads drawn in {args.out}")
     return 0
 
 
 def _number(kind, lowest, inclusive, description):
     """An argparse type: a finite `kind` (int or float) above `lowest` (or equal, if `inclusive`)."""
+
     def parse(text):
         try:
             value = kind(text)
         except ValueError:
             value = None
-        if value is None or not (value >= lowest if inclusive else value > lowest) \
-                or value == float("inf"):
+        if value is None or not (value >= lowest if inclusive else value > lowest) or value == float("inf"):
             raise argparse.ArgumentTypeError(f"expected {description}, got {text!r}")
         return value
 
@@ -323,20 +396,25 @@ def _setting(text):
 
 
 def _add_model_arguments(parser, beam=True, batch=True):
-    parser.add_argument("--model", required=True,
-                        help="a run directory (uses its model.keras) or a .keras file inside one")
+    parser.add_argument(
+        "--model", required=True, help="a run directory (uses its model.keras) or a .keras file inside one"
+    )
     if beam:
         parser.add_argument("--beam-size", type=_positive_int, default=4)
-        parser.add_argument("--length-penalty", type=_non_negative_float, default=0.6,
-                            help="alpha of the GNMT length penalty ((5 + length) / 6)^alpha "
-                                 "(default 0.6; 0: none)")
+        parser.add_argument(
+            "--length-penalty",
+            type=_non_negative_float,
+            default=0.6,
+            help="alpha of the GNMT length penalty ((5 + length) / 6)^alpha (default 0.6; 0: none)",
+        )
     if batch:
         parser.add_argument("--batch-size", type=_positive_int, default=64)
 
 
 def _add_data_arguments(parser, default=None):
-    parser.add_argument("--data", required=default is None, default=default,
-                        help="synthetic | multi30k | files:SRC,TGT")
+    parser.add_argument(
+        "--data", required=default is None, default=default, help="synthetic | multi30k | files:SRC,TGT"
+    )
     parser.add_argument("--data-dir", help="local copy of the dataset (multi30k)")
 
 
@@ -345,50 +423,93 @@ def _train_parser(commands):
     _add_data_arguments(train, default="synthetic")
     train.add_argument("--source-lang", default="en")
     train.add_argument("--target-lang", default="de")
-    train.add_argument("--preset", default="small", help="tiny | mini | small | base | big (`keras-transformer presets` lists them)")
-    train.add_argument("--set", type=_setting, action="append", default=[], metavar="KEY=VALUE",
-                       help="override a TransformerConfig field, e.g. --set dropout_rate=0.3")
+    train.add_argument(
+        "--preset",
+        default="small",
+        help="tiny | mini | small | base | big (`keras-transformer presets` lists them)",
+    )
+    train.add_argument(
+        "--set",
+        type=_setting,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a TransformerConfig field, e.g. --set dropout_rate=0.3",
+    )
     train.add_argument("--out", required=True, help="the run directory")
     train.add_argument("--epochs", type=_positive_int, default=10)
-    train.add_argument("--vocab-size", type=_positive_int,
-                       help="shared SentencePiece vocabulary (default 8000, or as many pieces as "
-                            "the corpus supports if fewer)")
-    train.add_argument("--batch-tokens", type=_positive_int, default=4096,
-                       help="tokens per batch (the paper: ~25000)")
-    train.add_argument("--max-length", type=_positive_int,
-                       help="drop training pairs longer than this (default: the model's max)")
+    train.add_argument(
+        "--vocab-size",
+        type=_positive_int,
+        help="shared SentencePiece vocabulary (default 8000, or as many pieces as "
+        "the corpus supports if fewer)",
+    )
+    train.add_argument(
+        "--batch-tokens", type=_positive_int, default=4096, help="tokens per batch (the paper: ~25000)"
+    )
+    train.add_argument(
+        "--max-length",
+        type=_positive_int,
+        help="drop training pairs longer than this (default: the model's max)",
+    )
     train.add_argument("--warmup-steps", type=_positive_int, default=4000)
-    train.add_argument("--learning-rate", type=_positive_float,
-                       help="peak learning rate, reached after --warmup-steps and then decayed "
-                            "with 1/sqrt(step) (default: the paper's, d_model^-0.5 "
-                            "warmup^-0.5)")
-    train.add_argument("--learning-rate-scale", type=_positive_float, default=1.0,
-                       help="a factor on the paper's schedule (instead of --learning-rate)")
-    train.add_argument("--clip-norm", type=_positive_float,
-                       help="clip each update's gradients to this global norm (default: no "
-                            "clipping)")
+    train.add_argument(
+        "--learning-rate",
+        type=_positive_float,
+        help="peak learning rate, reached after --warmup-steps and then decayed "
+        "with 1/sqrt(step) (default: the paper's, d_model^-0.5 "
+        "warmup^-0.5)",
+    )
+    train.add_argument(
+        "--learning-rate-scale",
+        type=_positive_float,
+        default=1.0,
+        help="a factor on the paper's schedule (instead of --learning-rate)",
+    )
+    train.add_argument(
+        "--clip-norm",
+        type=_positive_float,
+        help="clip each update's gradients to this global norm (default: no clipping)",
+    )
     train.add_argument("--label-smoothing", type=float, default=0.1, help="in [0, 1) (default 0.1)")
-    train.add_argument("--strategy", default="auto",
-                       choices=("auto", "default", "mirrored", "multi-worker"))
-    train.add_argument("--mixed-precision", action="store_true",
-                       help="float16 compute on GPU, bfloat16 on CPU (weights stay float32)")
+    train.add_argument("--strategy", default="auto", choices=("auto", "default", "mirrored", "multi-worker"))
+    train.add_argument(
+        "--mixed-precision",
+        action="store_true",
+        help="float16 compute on GPU, bfloat16 on CPU (weights stay float32)",
+    )
     train.add_argument("--xla", action="store_true", help="compile the train step with XLA")
-    train.add_argument("--grad-accum", type=_positive_int, default=1,
-                       help="batches whose gradients make one update")
-    train.add_argument("--max-minutes", type=_positive_float,
-                       help="time budget: stop after the last epoch that fits in it")
+    train.add_argument(
+        "--grad-accum", type=_positive_int, default=1, help="batches whose gradients make one update"
+    )
+    train.add_argument(
+        "--max-minutes", type=_positive_float, help="time budget: stop after the last epoch that fits in it"
+    )
     train.add_argument("--keep-checkpoints", type=_positive_int, default=5)
-    train.add_argument("--average-last", type=_positive_int, metavar="N",
-                       help="at the end, average the last N epoch checkpoints into "
-                            "RUN/averaged.keras (N <= --keep-checkpoints)")
-    train.add_argument("--val-bleu", type=_non_negative_int, default=0, metavar="N",
-                       help="after every epoch, greedy-translate the first N validation pairs and "
-                            "record their BLEU (val_bleu in metrics.json; default 0: off)")
-    train.add_argument("--save-every-steps", type=_positive_int,
-                       help="save the resumable state this often (default: 4 times per epoch)")
+    train.add_argument(
+        "--average-last",
+        type=_positive_int,
+        metavar="N",
+        help="at the end, average the last N epoch checkpoints into "
+        "RUN/averaged.keras (N <= --keep-checkpoints)",
+    )
+    train.add_argument(
+        "--val-bleu",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="after every epoch, greedy-translate the first N validation pairs and "
+        "record their BLEU (val_bleu in metrics.json; default 0: off)",
+    )
+    train.add_argument(
+        "--save-every-steps",
+        type=_positive_int,
+        help="save the resumable state this often (default: 4 times per epoch)",
+    )
     train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--resume", action="store_true",
-                       help="continue the run in --out if there is one (else start it)")
+    train.add_argument(
+        "--resume", action="store_true", help="continue the run in --out if there is one (else start it)"
+    )
     train.add_argument("--overwrite", action="store_true", help="replace the run in --out")
     train.set_defaults(handler=_train)
 
@@ -404,8 +525,8 @@ def build_parser():
     from keras_transformer import __version__
 
     parser = _Parser(
-        prog="keras-transformer",
-        description="The Transformer of 'Attention Is All You Need' in Keras 3.")
+        prog="keras-transformer", description="The Transformer of 'Attention Is All You Need' in Keras 3."
+    )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     commands.required = True
@@ -426,34 +547,62 @@ def build_parser():
     evaluate.add_argument("--output", help="translations file (default RUN/translations-DATA-SPLIT.txt)")
     evaluate.set_defaults(handler=_evaluate)
 
-    export = commands.add_parser("export", help="write a TF Serving SavedModel, ONNX graphs or a "
-                                                "CTranslate2 model")
+    export = commands.add_parser(
+        "export", help="write a TF Serving SavedModel, ONNX graphs or a CTranslate2 model"
+    )
     _add_model_arguments(export, batch=False)
-    export.add_argument("--max-extra-length", type=int, default=50,
-                        help="output length limit = source length + this (default 50)")
+    export.add_argument(
+        "--max-extra-length",
+        type=int,
+        default=50,
+        help="output length limit = source length + this (default 50)",
+    )
     export.add_argument("--format", required=True, choices=["saved_model", "onnx", "ctranslate2"])
-    export.add_argument("--quantization", "--quantize", choices=["float32", "int8"], default="float32",
-                        help="onnx, ctranslate2: the matrix weights' type (default float32). onnx int8 "
-                             "is checked on the validation pairs first (see --max-bleu-drop)")
-    export.add_argument("--max-bleu-drop", type=_non_negative_float,
-                        help="onnx int8: refuse to write int8 graphs that lose more validation "
-                             "sacreBLEU than this against float32 (default 1.0)")
-    export.add_argument("--force", action="store_true",
-                        help="onnx int8: write the int8 graphs even if they fail the BLEU check")
-    export.add_argument("--gate-sentences", type=_positive_int,
-                        help="onnx int8: check on the first N validation pairs (default: all)")
-    export.add_argument("--data", help="onnx int8: the corpus whose validation pairs are checked "
-                                       "(default: the run's)")
+    export.add_argument(
+        "--quantization",
+        "--quantize",
+        choices=["float32", "int8"],
+        default="float32",
+        help="onnx, ctranslate2: the matrix weights' type (default float32). onnx int8 "
+        "is checked on the validation pairs first (see --max-bleu-drop)",
+    )
+    export.add_argument(
+        "--max-bleu-drop",
+        type=_non_negative_float,
+        help="onnx int8: refuse to write int8 graphs that lose more validation "
+        "sacreBLEU than this against float32 (default 1.0)",
+    )
+    export.add_argument(
+        "--force",
+        action="store_true",
+        help="onnx int8: write the int8 graphs even if they fail the BLEU check",
+    )
+    export.add_argument(
+        "--gate-sentences",
+        type=_positive_int,
+        help="onnx int8: check on the first N validation pairs (default: all)",
+    )
+    export.add_argument(
+        "--data", help="onnx int8: the corpus whose validation pairs are checked (default: the run's)"
+    )
     export.add_argument("--data-dir", help="onnx int8: its local copy (default: the run's)")
-    export.add_argument("--out", required=True,
-                        help="saved_model: the TF Serving base directory (writes OUT/NAME/VERSION and "
-                             "OUT/models.config); onnx, ctranslate2: the directory to write")
+    export.add_argument(
+        "--out",
+        required=True,
+        help="saved_model: the TF Serving base directory (writes OUT/NAME/VERSION and "
+        "OUT/models.config); onnx, ctranslate2: the directory to write",
+    )
     export.add_argument("--name", help="saved_model: the model name (default: the run's directory name)")
-    export.add_argument("--version", type=_positive_int,
-                        help="saved_model: the version (default: one more than the highest there)")
-    export.add_argument("--overwrite", action="store_true",
-                        help="replace an existing version (saved_model) or directory (onnx, "
-                             "ctranslate2)")
+    export.add_argument(
+        "--version",
+        type=_positive_int,
+        help="saved_model: the version (default: one more than the highest there)",
+    )
+    export.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing version (saved_model) or directory (onnx, ctranslate2)",
+    )
     export.set_defaults(handler=_export)
 
     average = commands.add_parser("average", help="average the last N epoch checkpoints")
@@ -470,8 +619,12 @@ def build_parser():
     attention.set_defaults(handler=_attention)
 
     presets = commands.add_parser("presets", help="list the model presets and their parameter counts")
-    presets.add_argument("--vocab-size", type=_positive_int, default=37000,
-                         help="shared vocabulary size (default: 37000, the paper's EN-DE)")
+    presets.add_argument(
+        "--vocab-size",
+        type=_positive_int,
+        default=37000,
+        help="shared vocabulary size (default: 37000, the paper's EN-DE)",
+    )
     presets.set_defaults(handler=_presets)
     return parser
 

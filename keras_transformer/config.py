@@ -13,21 +13,16 @@ from keras_transformer.validation import check_choice, check_positive_int, check
 
 PRESETS = {
     # Table 3, row "base": N=6, d_model=512, d_ff=2048, h=8, P_drop=0.1.
-    "base": dict(num_layers=6, d_model=512, num_heads=8, d_ff=2048, dropout_rate=0.1,
-                 max_length=512),
+    "base": dict(num_layers=6, d_model=512, num_heads=8, d_ff=2048, dropout_rate=0.1, max_length=512),
     # Table 3, row "big": N=6, d_model=1024, d_ff=4096, h=16, P_drop=0.3.
-    "big": dict(num_layers=6, d_model=1024, num_heads=16, d_ff=4096, dropout_rate=0.3,
-                max_length=512),
+    "big": dict(num_layers=6, d_model=1024, num_heads=16, d_ff=4096, dropout_rate=0.3, max_length=512),
     # CPU work (Multi30k, the demo): about 7.5M parameters with an 8k vocabulary.
-    "small": dict(num_layers=3, d_model=256, num_heads=4, d_ff=1024, dropout_rate=0.1,
-                  max_length=256),
+    "small": dict(num_layers=3, d_model=256, num_heads=4, d_ff=1024, dropout_rate=0.1, max_length=256),
     # Small corpora (Multi30k's 29k pairs) on a CPU: Transformer-Tiny (Wu et al. 2021),
     # about 2.3M parameters with an 8k vocabulary, ~1/3 of `small`'s FLOPs per token.
-    "mini": dict(num_layers=4, d_model=128, num_heads=4, d_ff=256, dropout_rate=0.3,
-                 max_length=256),
+    "mini": dict(num_layers=4, d_model=128, num_heads=4, d_ff=256, dropout_rate=0.3, max_length=256),
     # Tests and toy tasks.
-    "tiny": dict(num_layers=2, d_model=64, num_heads=4, d_ff=256, dropout_rate=0.1,
-                 max_length=128),
+    "tiny": dict(num_layers=2, d_model=64, num_heads=4, d_ff=256, dropout_rate=0.1, max_length=128),
 }
 
 
@@ -81,8 +76,15 @@ class TransformerConfig:
     def __post_init__(self):
         if self.num_decoder_layers is None:
             self.num_decoder_layers = self.num_layers
-        for name in ("vocab_size", "num_layers", "num_decoder_layers", "d_model",
-                     "num_heads", "d_ff", "max_length"):
+        for name in (
+            "vocab_size",
+            "num_layers",
+            "num_decoder_layers",
+            "d_model",
+            "num_heads",
+            "d_ff",
+            "max_length",
+        ):
             check_positive_int(name, getattr(self, name))
         if self.target_vocab_size is not None:
             check_positive_int("target_vocab_size", self.target_vocab_size)
@@ -139,10 +141,14 @@ class TransformerConfig:
     def layer_arguments(self):
         """The arguments that `Encoder`/`Decoder` take besides `num_layers`."""
         return dict(
-            d_model=self.d_model, num_heads=self.num_heads, d_ff=self.d_ff,
-            max_length=self.max_length, dropout_rate=self.dropout_rate,
+            d_model=self.d_model,
+            num_heads=self.num_heads,
+            d_ff=self.d_ff,
+            max_length=self.max_length,
+            dropout_rate=self.dropout_rate,
             attention_dropout_rate=self.attention_dropout_rate,
             activation_dropout_rate=self.activation_dropout_rate,
-            layer_norm_epsilon=self.layer_norm_epsilon, norm_first=self.norm_first,
+            layer_norm_epsilon=self.layer_norm_epsilon,
+            norm_first=self.norm_first,
             attention_mode=self.attention_mode,
         )

@@ -59,8 +59,9 @@ class Corpus:
 
 def cache_dir():
     """Where downloads go: $KERAS_TRANSFORMER_CACHE or ~/.cache/keras_transformer."""
-    return pathlib.Path(os.environ.get("KERAS_TRANSFORMER_CACHE",
-                                       pathlib.Path.home() / ".cache" / "keras_transformer"))
+    return pathlib.Path(
+        os.environ.get("KERAS_TRANSFORMER_CACHE", pathlib.Path.home() / ".cache" / "keras_transformer")
+    )
 
 
 def load_corpus(dataset, data_dir=None, source_lang="en", target_lang="de", seed=0):
@@ -72,7 +73,7 @@ def load_corpus(dataset, data_dir=None, source_lang="en", target_lang="de", seed
     if dataset == "multi30k":
         return _multi30k(data_dir, source_lang, target_lang)
     if dataset.startswith("files:"):
-        paths = dataset[len("files:"):].split(",")
+        paths = dataset[len("files:") :].split(",")
         if len(paths) != 2 or not all(paths):
             raise CorpusError(f"files: takes two comma-separated paths (files:SRC,TGT); got {dataset!r}.")
         return Corpus({"train": read_parallel_files(*paths)}, source_lang, target_lang)
@@ -80,8 +81,11 @@ def load_corpus(dataset, data_dir=None, source_lang="en", target_lang="de", seed
 
 
 def _swap(corpus):
-    return Corpus({name: (targets, sources) for name, (sources, targets) in corpus.splits.items()},
-                  corpus.target_lang, corpus.source_lang)
+    return Corpus(
+        {name: (targets, sources) for name, (sources, targets) in corpus.splits.items()},
+        corpus.target_lang,
+        corpus.source_lang,
+    )
 
 
 def read_lines(path):
@@ -97,7 +101,8 @@ def read_lines(path):
             except UnicodeDecodeError as error:
                 raise CorpusError(
                     f"{path}, line {number}: not valid UTF-8 ({error.reason} at byte "
-                    f"{error.start}); convert the file to UTF-8, e.g. with iconv.") from None
+                    f"{error.start}); convert the file to UTF-8, e.g. with iconv."
+                ) from None
     return lines
 
 
@@ -107,7 +112,8 @@ def read_parallel_files(source_path, target_path):
     if len(sources) != len(targets):
         raise CorpusError(
             f"{source_path} has {len(sources)} lines but {target_path} has {len(targets)}; "
-            f"line i of one must translate line i of the other.")
+            f"line i of one must translate line i of the other."
+        )
     if not any(sources) or not any(targets):
         raise CorpusError(f"{source_path} / {target_path}: the corpus is empty (no non-empty line).")
     return sources, targets
@@ -124,22 +130,28 @@ def sha256(path):
 def _multi30k(data_dir, source_lang, target_lang):
     languages = {"en", "de"}
     if {source_lang, target_lang} != languages:
-        raise CorpusError(f"multi30k is English-German: use --source-lang en --target-lang de "
-                          f"or the reverse; got {source_lang}->{target_lang}.")
+        raise CorpusError(
+            f"multi30k is English-German: use --source-lang en --target-lang de "
+            f"or the reverse; got {source_lang}->{target_lang}."
+        )
     directory = pathlib.Path(data_dir) if data_dir else cache_dir() / "multi30k"
     for name, expected in MULTI30K_SHA256.items():
         path = directory / name
         if not path.is_file():
             if data_dir:
-                raise CorpusError(f"{path}: missing from --data-dir; it should hold "
-                                  f"{', '.join(MULTI30K_SHA256)}.")
+                raise CorpusError(
+                    f"{path}: missing from --data-dir; it should hold {', '.join(MULTI30K_SHA256)}."
+                )
             _download(name, path)
         if sha256(path) != expected:
-            raise CorpusError(f"{path}: sha256 mismatch (expected {expected}); the file is "
-                              f"corrupt or not the official Multi30k one. Delete it to download again.")
-    splits = {split: read_parallel_files(directory / f"{name}.{source_lang}",
-                                         directory / f"{name}.{target_lang}")
-              for split, name in MULTI30K_SPLITS.items()}
+            raise CorpusError(
+                f"{path}: sha256 mismatch (expected {expected}); the file is "
+                f"corrupt or not the official Multi30k one. Delete it to download again."
+            )
+    splits = {
+        split: read_parallel_files(directory / f"{name}.{source_lang}", directory / f"{name}.{target_lang}")
+        for split, name in MULTI30K_SPLITS.items()
+    }
     return Corpus(splits, source_lang, target_lang)
 
 
@@ -153,7 +165,8 @@ def _download(name, path):
         raise CorpusError(
             f"Could not download {url} ({error}). Offline? Put the Multi30k files "
             f"{', '.join(MULTI30K_SHA256)} (uncompressed UTF-8) in {path.parent}, or pass "
-            f"--data-dir DIR pointing at a copy.") from None
+            f"--data-dir DIR pointing at a copy."
+        ) from None
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{name}-")
     with os.fdopen(handle, "wb") as file:
         file.write(gzip.decompress(compressed))

@@ -15,7 +15,6 @@ from keras_transformer.residual import make_norm_and_dropout, residual_block
 from keras_transformer.stack import LayerArguments, TransformerStack
 from keras_transformer.validation import register
 
-
 # The decoding cache: per decoder layer, the self-attention keys/values of the
 # positions decoded so far and the cross-attention keys/values of the memory.
 CACHE_KEYS = ("self_key", "self_value", "cross_key", "cross_value")
@@ -41,20 +40,39 @@ class DecoderLayer(LayerArguments, keras.layers.Layer):
     """
 
     def __init__(
-        self, d_model, num_heads, d_ff, dropout_rate=0.1, attention_dropout_rate=0.0,
-        activation_dropout_rate=0.0, layer_norm_epsilon=1e-6, norm_first=False,
-        attention_mode="batched", **kwargs,
+        self,
+        d_model,
+        num_heads,
+        d_ff,
+        dropout_rate=0.1,
+        attention_dropout_rate=0.0,
+        activation_dropout_rate=0.0,
+        layer_norm_epsilon=1e-6,
+        norm_first=False,
+        attention_mode="batched",
+        **kwargs,
     ):
         super().__init__(**kwargs)
         self.store_layer_arguments(locals())
         for name in ("self_attention", "cross_attention"):
-            setattr(self, name, MultiHeadAttention(
-                num_heads, d_model, attention_dropout_rate, mode=attention_mode,
-                dtype=self.dtype_policy, name=name,
-            ))
+            setattr(
+                self,
+                name,
+                MultiHeadAttention(
+                    num_heads,
+                    d_model,
+                    attention_dropout_rate,
+                    mode=attention_mode,
+                    dtype=self.dtype_policy,
+                    name=name,
+                ),
+            )
         self.feed_forward = PositionwiseFeedForward(
-            d_model, d_ff, dropout_rate=activation_dropout_rate,
-            dtype=self.dtype_policy, name="feed_forward",
+            d_model,
+            d_ff,
+            dropout_rate=activation_dropout_rate,
+            dtype=self.dtype_policy,
+            name="feed_forward",
         )
         for prefix in ("self_attention", "cross_attention", "feed_forward"):
             make_norm_and_dropout(self, prefix, dropout_rate, layer_norm_epsilon)
@@ -70,8 +88,7 @@ class DecoderLayer(LayerArguments, keras.layers.Layer):
     def call(self, inputs, memory, self_attention_mask=None, memory_mask=None, training=None):
         return self.call_with_weights(inputs, memory, self_attention_mask, memory_mask, training)[0]
 
-    def call_with_weights(self, inputs, memory, self_attention_mask=None, memory_mask=None,
-                          training=None):
+    def call_with_weights(self, inputs, memory, self_attention_mask=None, memory_mask=None, training=None):
         """Returns `(outputs, self_attention_weights, cross_attention_weights)`."""
         if not self.built:
             self.build(inputs.shape, memory.shape)
@@ -79,12 +96,14 @@ class DecoderLayer(LayerArguments, keras.layers.Layer):
 
         def self_attend(x):
             outputs, weights["self"] = self.self_attention.call_with_weights(
-                x, x, attention_mask=self_attention_mask, training=training)
+                x, x, attention_mask=self_attention_mask, training=training
+            )
             return outputs
 
         def cross_attend(x):
             outputs, weights["cross"] = self.cross_attention.call_with_weights(
-                x, memory, attention_mask=memory_mask, training=training)
+                x, memory, attention_mask=memory_mask, training=training
+            )
             return outputs
 
         x = self._sublayers(inputs, self_attend, cross_attend, training)
@@ -110,28 +129,48 @@ class DecoderLayer(LayerArguments, keras.layers.Layer):
 
         def self_attend(x):
             outputs, updated["key"], updated["value"] = self.self_attention.call_with_cache(
-                x, cache["self_key"], cache["self_value"], step, self_attention_mask)
+                x, cache["self_key"], cache["self_value"], step, self_attention_mask
+            )
             return outputs
 
         def cross_attend(x):
             query = self.cross_attention.project_heads(x, "query")
             return self.cross_attention.attend_heads(
-                query, cache["cross_key"], cache["cross_value"], memory_mask)[0]
+                query, cache["cross_key"], cache["cross_value"], memory_mask
+            )[0]
 
         x = self._sublayers(inputs, self_attend, cross_attend, training=False)
         return x, updated["key"], updated["value"]
 
     def _sublayers(self, inputs, self_attend, cross_attend, training):
-        x = residual_block(inputs, self_attend, self.self_attention_norm,
-                           self.self_attention_dropout, self.norm_first, training)
-        x = residual_block(x, cross_attend, self.cross_attention_norm,
-                           self.cross_attention_dropout, self.norm_first, training)
-        return residual_block(x, lambda h: self.feed_forward(h, training=training),
-                              self.feed_forward_norm, self.feed_forward_dropout,
-                              self.norm_first, training)
+        x = residual_block(
+            inputs,
+            self_attend,
+            self.self_attention_norm,
+            self.self_attention_dropout,
+            self.norm_first,
+            training,
+        )
+        x = residual_block(
+            x,
+            cross_attend,
+            self.cross_attention_norm,
+            self.cross_attention_dropout,
+            self.norm_first,
+            training,
+        )
+        return residual_block(
+            x,
+            lambda h: self.feed_forward(h, training=training),
+            self.feed_forward_norm,
+            self.feed_forward_dropout,
+            self.norm_first,
+            training,
+        )
 
     def compute_output_shape(self, inputs_shape, memory_shape=None):
         return tuple(inputs_shape)
+
 
 @register
 class Decoder(TransformerStack):
@@ -159,9 +198,19 @@ class Decoder(TransformerStack):
     layer_class = DecoderLayer
 
     def __init__(
-        self, num_layers, d_model, num_heads, d_ff, max_length, dropout_rate=0.1,
-        attention_dropout_rate=0.0, activation_dropout_rate=0.0,
-        layer_norm_epsilon=1e-6, norm_first=False, attention_mode="batched", **kwargs,
+        self,
+        num_layers,
+        d_model,
+        num_heads,
+        d_ff,
+        max_length,
+        dropout_rate=0.1,
+        attention_dropout_rate=0.0,
+        activation_dropout_rate=0.0,
+        layer_norm_epsilon=1e-6,
+        norm_first=False,
+        attention_mode="batched",
+        **kwargs,
     ):
         arguments = dict(locals())
         super().__init__(num_layers, max_length, arguments, **kwargs)
@@ -182,7 +231,8 @@ class Decoder(TransformerStack):
         self_weights, cross_weights = [], []
         for layer in self.stack_layers:
             x, self_w, cross_w = layer.call_with_weights(
-                x, memory, self_attention_mask, memory_mask, training=training)
+                x, memory, self_attention_mask, memory_mask, training=training
+            )
             self_weights.append(self_w)
             cross_weights.append(cross_w)
         return self.normalize_output(x), self_weights, cross_weights
@@ -209,8 +259,7 @@ class Decoder(TransformerStack):
         keys, values = [], []
         for i, layer in enumerate(self.stack_layers):
             layer_cache = {name: cache[name][i] for name in CACHE_KEYS}
-            x, key, value = layer.call_with_cache(x, layer_cache, step, self_attention_mask,
-                                                  memory_mask)
+            x, key, value = layer.call_with_cache(x, layer_cache, step, self_attention_mask, memory_mask)
             keys.append(key)
             values.append(value)
         return self.normalize_output(x), {**cache, "self_key": keys, "self_value": values}

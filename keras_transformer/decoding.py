@@ -42,8 +42,7 @@ class Translations(NamedTuple):
     log_probs: object
 
 
-def greedy_search(model, source_ids, max_length=None, max_extra_length=50, min_length=0,
-                  use_cache=True):
+def greedy_search(model, source_ids, max_length=None, max_extra_length=50, min_length=0, use_cache=True):
     """Picks the most probable token at every step.
 
     Args:
@@ -64,8 +63,14 @@ def greedy_search(model, source_ids, max_length=None, max_extra_length=50, min_l
     decoder = (_CachedDecoder if use_cache else _PrefixDecoder)(model, setup, beam_size=1)
     batch, config = setup.batch, model.config
     tokens = ops.full((batch, setup.max_len), config.pad_id, "int32")
-    state = (0, tokens, ops.full((batch,), config.bos_id, "int32"), ops.zeros((batch,), "float32"),
-             ops.zeros((batch,), "bool"), decoder.initial_state())
+    state = (
+        0,
+        tokens,
+        ops.full((batch,), config.bos_id, "int32"),
+        ops.zeros((batch,), "float32"),
+        ops.zeros((batch,), "bool"),
+        decoder.initial_state(),
+    )
 
     def cond(step, tokens, last, log_probs, finished, decoder_state):
         return ops.logical_and(step < setup.max_len, ops.logical_not(ops.all(finished)))
@@ -85,8 +90,17 @@ def greedy_search(model, source_ids, max_length=None, max_extra_length=50, min_l
     return Translations(tokens, log_probs, log_probs)
 
 
-def beam_search(model, source_ids, beam_size=4, length_penalty=0.6, max_extra_length=50,
-                num_return=1, max_length=None, min_length=0, use_cache=True):
+def beam_search(
+    model,
+    source_ids,
+    beam_size=4,
+    length_penalty=0.6,
+    max_extra_length=50,
+    num_return=1,
+    max_length=None,
+    min_length=0,
+    use_cache=True,
+):
     """Beam search with the GNMT length penalty and a pool of finished hypotheses (§6.1).
 
     Every step expands the live hypotheses of each sentence and keeps the
@@ -205,8 +219,13 @@ class _CachedDecoder:
     @staticmethod
     def reorder(cache, flat_beam_index):
         """Gathers the self-attention caches by beam origin (cross-attention ones never change)."""
-        return {**cache, **{name: [ops.take(t, flat_beam_index, axis=0) for t in cache[name]]
-                            for name in ("self_key", "self_value")}}
+        return {
+            **cache,
+            **{
+                name: [ops.take(t, flat_beam_index, axis=0) for t in cache[name]]
+                for name in ("self_key", "self_value")
+            },
+        }
 
 
 class _PrefixDecoder:
@@ -269,13 +288,11 @@ class _BeamSearch:
             ops.greater_equal(worst_finished, best_alive),
             ops.greater_equal(state["step"], self.setup.limits),
         )
-        return ops.logical_and(state["step"] < self.setup.max_len,
-                               ops.logical_not(ops.all(sentence_done)))
+        return ops.logical_and(state["step"] < self.setup.max_len, ops.logical_not(ops.all(sentence_done)))
 
     def _step(self, state):
         batch, beam, step = self.setup.batch, self.beam_size, state["step"]
-        logits, decoder_state = self.decoder.step(state["last"], state["alive"], step,
-                                                  state["decoder_state"])
+        logits, decoder_state = self.decoder.step(state["last"], state["alive"], step, state["decoder_state"])
         log_probs = ops.reshape(ops.log_softmax(logits, axis=-1), (batch, beam, -1))
         log_probs = self.setup.constrain(log_probs, step)
         vocab = ops.shape(log_probs)[-1]
@@ -291,7 +308,8 @@ class _BeamSearch:
         # Candidates ending in EOS join the pool of finished hypotheses.
         eos_log_probs = ops.where(is_eos, top_log_probs, NEG_INF)
         pool_scores = ops.concatenate(
-            [state["finished_scores"], eos_log_probs / self.penalty(step + 1)], axis=1)
+            [state["finished_scores"], eos_log_probs / self.penalty(step + 1)], axis=1
+        )
         pool_log_probs = ops.concatenate([state["finished_log_probs"], eos_log_probs], axis=1)
         pool = ops.concatenate([state["finished"], sequences], axis=1)
         finished_scores, keep = ops.top_k(pool_scores, k=beam)

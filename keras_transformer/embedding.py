@@ -50,8 +50,7 @@ class TokenEmbedding(keras.layers.Layer):
         self.d_model = d_model
         self.scale = scale
         self.embeddings_initializer = keras.initializers.get(
-            embeddings_initializer
-            or keras.initializers.RandomNormal(mean=0.0, stddev=d_model**-0.5)
+            embeddings_initializer or keras.initializers.RandomNormal(mean=0.0, stddev=d_model**-0.5)
         )
 
     def build(self, input_shape=None):

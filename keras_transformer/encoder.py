@@ -37,19 +37,34 @@ class EncoderLayer(LayerArguments, keras.layers.Layer):
     """
 
     def __init__(
-        self, d_model, num_heads, d_ff, dropout_rate=0.1, attention_dropout_rate=0.0,
-        activation_dropout_rate=0.0, layer_norm_epsilon=1e-6, norm_first=False,
-        attention_mode="batched", **kwargs,
+        self,
+        d_model,
+        num_heads,
+        d_ff,
+        dropout_rate=0.1,
+        attention_dropout_rate=0.0,
+        activation_dropout_rate=0.0,
+        layer_norm_epsilon=1e-6,
+        norm_first=False,
+        attention_mode="batched",
+        **kwargs,
     ):
         super().__init__(**kwargs)
         self.store_layer_arguments(locals())
         self.self_attention = MultiHeadAttention(
-            num_heads, d_model, attention_dropout_rate, mode=attention_mode,
-            dtype=self.dtype_policy, name="self_attention",
+            num_heads,
+            d_model,
+            attention_dropout_rate,
+            mode=attention_mode,
+            dtype=self.dtype_policy,
+            name="self_attention",
         )
         self.feed_forward = PositionwiseFeedForward(
-            d_model, d_ff, dropout_rate=activation_dropout_rate,
-            dtype=self.dtype_policy, name="feed_forward",
+            d_model,
+            d_ff,
+            dropout_rate=activation_dropout_rate,
+            dtype=self.dtype_policy,
+            name="feed_forward",
         )
         make_norm_and_dropout(self, "self_attention", dropout_rate, layer_norm_epsilon)
         make_norm_and_dropout(self, "feed_forward", dropout_rate, layer_norm_epsilon)
@@ -75,15 +90,22 @@ class EncoderLayer(LayerArguments, keras.layers.Layer):
             )
             return outputs
 
-        x = residual_block(inputs, attend, self.self_attention_norm,
-                           self.self_attention_dropout, self.norm_first, training)
-        x = residual_block(x, lambda h: self.feed_forward(h, training=training),
-                           self.feed_forward_norm, self.feed_forward_dropout,
-                           self.norm_first, training)
+        x = residual_block(
+            inputs, attend, self.self_attention_norm, self.self_attention_dropout, self.norm_first, training
+        )
+        x = residual_block(
+            x,
+            lambda h: self.feed_forward(h, training=training),
+            self.feed_forward_norm,
+            self.feed_forward_dropout,
+            self.norm_first,
+            training,
+        )
         return x, weights["self"]
 
     def compute_output_shape(self, inputs_shape):
         return tuple(inputs_shape)
+
 
 @register
 class Encoder(TransformerStack):
@@ -109,9 +131,19 @@ class Encoder(TransformerStack):
     layer_class = EncoderLayer
 
     def __init__(
-        self, num_layers, d_model, num_heads, d_ff, max_length, dropout_rate=0.1,
-        attention_dropout_rate=0.0, activation_dropout_rate=0.0,
-        layer_norm_epsilon=1e-6, norm_first=False, attention_mode="batched", **kwargs,
+        self,
+        num_layers,
+        d_model,
+        num_heads,
+        d_ff,
+        max_length,
+        dropout_rate=0.1,
+        attention_dropout_rate=0.0,
+        activation_dropout_rate=0.0,
+        layer_norm_epsilon=1e-6,
+        norm_first=False,
+        attention_mode="batched",
+        **kwargs,
     ):
         arguments = dict(locals())
         super().__init__(num_layers, max_length, arguments, **kwargs)

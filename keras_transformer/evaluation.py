@@ -27,8 +27,7 @@ class Scores:
     paper_signature: str = None
 
     def __str__(self):
-        text = (f"BLEU {self.bleu:.2f} ({self.bleu_signature})\n"
-                f"chrF {self.chrf:.2f} ({self.chrf_signature})")
+        text = f"BLEU {self.bleu:.2f} ({self.bleu_signature})\nchrF {self.chrf:.2f} ({self.chrf_signature})"
         if self.paper_bleu is not None:
             text += f"\npaper BLEU {self.paper_bleu:.2f} ({self.paper_signature})"
         return text
@@ -76,15 +75,16 @@ def score_translations(hypotheses, references, target_lang=None):
     """
     hypotheses, references = list(hypotheses), list(references)
     if len(hypotheses) != len(references):
-        raise ValueError(f"{len(hypotheses)} hypotheses but {len(references)} references; "
-                         f"they must be aligned line by line.")
+        raise ValueError(
+            f"{len(hypotheses)} hypotheses but {len(references)} references; "
+            f"they must be aligned line by line."
+        )
     if not hypotheses:
         raise ValueError("Nothing to score: no hypotheses.")
     bleu, chrf = sacrebleu.metrics.BLEU(), sacrebleu.metrics.CHRF()
     bleu_score = bleu.corpus_score(hypotheses, [references])
     chrf_score = chrf.corpus_score(hypotheses, [references])
-    scores = Scores(bleu_score.score, str(bleu.get_signature()), chrf_score.score,
-                    str(chrf.get_signature()))
+    scores = Scores(bleu_score.score, str(bleu.get_signature()), chrf_score.score, str(chrf.get_signature()))
     if target_lang and moses_available():
         scores.paper_bleu, scores.paper_signature = paper_bleu(hypotheses, references, target_lang)
     return scores

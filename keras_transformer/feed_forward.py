@@ -47,9 +47,7 @@ class PositionwiseFeedForward(keras.layers.Layer):
         self.inner_dense = keras.layers.Dense(
             d_ff, activation=activation, dtype=self.dtype_policy, name="inner_dense"
         )
-        self.inner_dropout = Dropout(
-            dropout_rate, dtype=self.dtype_policy, name="inner_dropout"
-        )
+        self.inner_dropout = Dropout(dropout_rate, dtype=self.dtype_policy, name="inner_dropout")
         self.output_dense = keras.layers.Dense(d_model, dtype=self.dtype_policy, name="output_dense")
 
     def build(self, input_shape):

@@ -22,8 +22,9 @@ def weights_bytes(model):
     buffer = io.BytesIO()
     store = saving_lib.H5IOStore(buffer, mode="w")
     try:
-        saving_lib._save_state(model, weights_store=store, assets_store=None, inner_path="",
-                               visited_saveables=set())
+        saving_lib._save_state(
+            model, weights_store=store, assets_store=None, inner_path="", visited_saveables=set()
+        )
     finally:
         store.close()
     return buffer.getvalue()

@@ -57,9 +57,11 @@ class WriterLock:
             os.close(fd)
             if error.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
                 raise
-            raise DirectoryBusy(f"{self.directory} is being written by another process "
-                                f"(pid {holder or 'unknown'}); wait for it to finish or stop it, "
-                                f"or choose another directory.") from None
+            raise DirectoryBusy(
+                f"{self.directory} is being written by another process "
+                f"(pid {holder or 'unknown'}); wait for it to finish or stop it, "
+                f"or choose another directory."
+            ) from None
         self._fd = fd
         try:
             os.ftruncate(fd, 0)

@@ -26,8 +26,7 @@ def _sum_over_replicas(value):
 
 def _label_logit(labels, logits):
     """`logits[..., labels]`: `(...)` from int32 labels `(...)` and logits `(..., vocab)`."""
-    return ops.squeeze(ops.take_along_axis(logits, ops.expand_dims(labels, axis=-1), axis=-1),
-                       axis=-1)
+    return ops.squeeze(ops.take_along_axis(logits, ops.expand_dims(labels, axis=-1), axis=-1), axis=-1)
 
 
 def smoothed_cross_entropy(labels, logits, label_smoothing):
@@ -55,8 +54,9 @@ def smoothed_cross_entropy(labels, logits, label_smoothing):
 
         def gradient(*args, upstream=None):
             upstream = args[0] if upstream is None else upstream  # (batch, len_tgt)
-            return (_smoothed_loss_gradient(labels, logits, log_normalizer, label_smoothing)
-                    * ops.expand_dims(upstream, axis=-1))
+            return _smoothed_loss_gradient(labels, logits, log_normalizer, label_smoothing) * ops.expand_dims(
+                upstream, axis=-1
+            )
 
         return losses, gradient
 
@@ -82,8 +82,9 @@ def _smoothed_loss_gradient(labels, logits, log_normalizer, label_smoothing):
     return ops.exp(logits - ops.expand_dims(log_normalizer, axis=-1)) - target
 
 
-def projected_smoothed_cross_entropy(hidden, kernel, labels, weights, label_smoothing, bias=None,
-                                     chunk_size=256):
+def projected_smoothed_cross_entropy(
+    hidden, kernel, labels, weights, label_smoothing, bias=None, chunk_size=256
+):
     """Weighted sums of the smoothed cross-entropy and of correct predictions,
     straight from the decoder output: the pre-softmax projection (§3.4) and the
     loss in one pass that never holds the `(tokens, vocab)` logits.
@@ -148,26 +149,35 @@ def projected_smoothed_cross_entropy(hidden, kernel, labels, weights, label_smoo
             logits = ops.matmul(hidden_chunk, kernel_t)  # (chunk, vocab)
             if extra:
                 logits = logits + extra[0]
-            losses, log_normalizer, label_logits = _smoothed_losses(
-                chunk_labels, logits, label_smoothing)
+            losses, log_normalizer, label_logits = _smoothed_losses(chunk_labels, logits, label_smoothing)
             hits = ops.cast(label_logits >= ops.max(logits, axis=-1), "float32")
-            d_logits = (_smoothed_loss_gradient(chunk_labels, logits, log_normalizer,
-                                                label_smoothing)
-                        * ops.expand_dims(chunk_weights, axis=-1))
+            d_logits = _smoothed_loss_gradient(
+                chunk_labels, logits, log_normalizer, label_smoothing
+            ) * ops.expand_dims(chunk_weights, axis=-1)
             d_hidden = ops.slice_update(d_hidden, (start, 0), ops.matmul(d_logits, kernel))
             if extra:  # no bias, no (chunk, vocab) reduction for its gradient
                 d_bias = d_bias + ops.sum(d_logits, axis=0)
-            return (loss_sum + ops.sum(losses * chunk_weights),
-                    correct_sum + ops.sum(hits * chunk_weights),
-                    d_hidden,
-                    d_kernel + ops.matmul(ops.transpose(d_logits), hidden_chunk),
-                    d_bias)
+            return (
+                loss_sum + ops.sum(losses * chunk_weights),
+                correct_sum + ops.sum(hits * chunk_weights),
+                d_hidden,
+                d_kernel + ops.matmul(ops.transpose(d_logits), hidden_chunk),
+                d_bias,
+            )
 
         zero = ops.zeros((), "float32")
         loss_sum, correct_sum, d_hidden, d_kernel, d_bias = ops.fori_loop(
-            0, chunks_used, add_chunk,
-            (zero, zero, ops.zeros_like(sorted_hidden), ops.zeros_like(kernel),
-             ops.zeros_like(extra[0]) if extra else zero))
+            0,
+            chunks_used,
+            add_chunk,
+            (
+                zero,
+                zero,
+                ops.zeros_like(sorted_hidden),
+                ops.zeros_like(kernel),
+                ops.zeros_like(extra[0]) if extra else zero,
+            ),
+        )
 
         d_hidden = ops.take(d_hidden, ops.argsort(order), axis=0)  # back to position order
 
@@ -210,8 +220,9 @@ class LabelSmoothedCrossEntropy(keras.losses.Loss):
     1.3863
     """
 
-    def __init__(self, label_smoothing=0.1, pad_id=0, reduction="mean",
-                 name="label_smoothed_cross_entropy", dtype=None):
+    def __init__(
+        self, label_smoothing=0.1, pad_id=0, reduction="mean", name="label_smoothed_cross_entropy", dtype=None
+    ):
         check_rate("label_smoothing", label_smoothing)
         check_choice("reduction", reduction, REDUCTIONS)
         super().__init__(name=name, reduction=reduction, dtype=dtype)
@@ -265,14 +276,21 @@ class LabelSmoothedCrossEntropy(keras.losses.Loss):
             largest and of labels, for `MaskedTokenAccuracy.update_counts`.
         """
         if self.reduction == "none":
-            raise ValueError('from_decoder_output reduces the loss; reduction="none" is not '
-                             "supported there (call the loss on the logits instead).")
+            raise ValueError(
+                'from_decoder_output reduces the loss; reduction="none" is not '
+                "supported there (call the loss on the logits instead)."
+            )
         with keras.name_scope(self.name):
             weights = self.token_weights(y_true, sample_weight)
             width = ops.shape(hidden)[-1]
             total, correct = projected_smoothed_cross_entropy(
-                ops.reshape(hidden, (-1, width)), kernel, ops.reshape(y_true, (-1,)),
-                ops.reshape(weights, (-1,)), self.label_smoothing, bias=bias)
+                ops.reshape(hidden, (-1, width)),
+                kernel,
+                ops.reshape(y_true, (-1,)),
+                ops.reshape(weights, (-1,)),
+                self.label_smoothing,
+                bias=bias,
+            )
             return self._reduce(total, weights), correct, ops.sum(weights)
 
     def get_config(self):
@@ -300,10 +318,8 @@ class MaskedTokenAccuracy(keras.metrics.Metric):
     def __init__(self, pad_id=0, name="token_accuracy", **kwargs):
         super().__init__(name=name, **kwargs)
         self.pad_id = pad_id
-        self.correct = self.add_variable(shape=(), initializer="zeros", name="correct",
-                                         aggregation="sum")
-        self.count = self.add_variable(shape=(), initializer="zeros", name="count",
-                                       aggregation="sum")
+        self.correct = self.add_variable(shape=(), initializer="zeros", name="correct", aggregation="sum")
+        self.count = self.add_variable(shape=(), initializer="zeros", name="count", aggregation="sum")
 
     def update_state(self, y_true, y_pred, sample_weight=None):
         y_true = ops.cast(y_true, "int32")

@@ -97,9 +97,7 @@ class MultiHeadAttention(keras.layers.Layer):
         self.use_bias = use_bias
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
         self.bias_initializer = keras.initializers.get(bias_initializer)
-        self.attention_dropout = Dropout(
-            dropout_rate, dtype=self.dtype_policy, name="attention_dropout"
-        )
+        self.attention_dropout = Dropout(dropout_rate, dtype=self.dtype_policy, name="attention_dropout")
 
     @property
     def mode(self):
@@ -162,12 +160,13 @@ class MultiHeadAttention(keras.layers.Layer):
         Returns:
             `(outputs (batch, len_new, d_model), key_cache, value_cache)`.
         """
-        key_cache = write_at(key_cache, ops.cast(self.project_heads(query, "key"), key_cache.dtype),
-                             step)
-        value_cache = write_at(value_cache,
-                               ops.cast(self.project_heads(query, "value"), value_cache.dtype), step)
-        outputs, _ = self.attend_heads(self.project_heads(query, "query"), key_cache, value_cache,
-                                       attention_mask)
+        key_cache = write_at(key_cache, ops.cast(self.project_heads(query, "key"), key_cache.dtype), step)
+        value_cache = write_at(
+            value_cache, ops.cast(self.project_heads(query, "value"), value_cache.dtype), step
+        )
+        outputs, _ = self.attend_heads(
+            self.project_heads(query, "query"), key_cache, value_cache, attention_mask
+        )
         return outputs, key_cache, value_cache
 
     def _attend(self, query, value, key, attention_mask, training, return_weights):
@@ -176,7 +175,9 @@ class MultiHeadAttention(keras.layers.Layer):
             self.project_heads(query, "query"),
             self.project_heads(key, "key"),
             self.project_heads(value, "value"),
-            attention_mask, training, return_weights,
+            attention_mask,
+            training,
+            return_weights,
         )
 
     def project_heads(self, inputs, projection):
@@ -188,16 +189,17 @@ class MultiHeadAttention(keras.layers.Layer):
         """
         kernel, bias = self._weight(f"{projection}_kernel"), self._weight(f"{projection}_bias")
         if self.mode == "per_head":
-            heads = [ops.matmul(inputs, kernel[:, i, :]) + (0 if bias is None else bias[i])
-                     for i in range(self.num_heads)]  # each (batch, len, depth)
+            heads = [
+                ops.matmul(inputs, kernel[:, i, :]) + (0 if bias is None else bias[i])
+                for i in range(self.num_heads)
+            ]  # each (batch, len, depth)
             return ops.stack(heads, axis=2)
         outputs = ops.matmul(inputs, ops.reshape(kernel, (self.d_model, -1)))
         if bias is not None:
             outputs = outputs + ops.reshape(bias, (-1,))
         return ops.reshape(outputs, (ops.shape(inputs)[0], -1, self.num_heads, self.depth))
 
-    def attend_heads(self, query, key, value, attention_mask=None, training=None,
-                     return_weights=False):
+    def attend_heads(self, query, key, value, attention_mask=None, training=None, return_weights=False):
         """Eq. (1) per head over projected heads `(batch, len, num_heads, depth)`, then W^O.
 
         Returns `((batch, len_q, d_model), weights or None)`; weights
@@ -208,8 +210,12 @@ class MultiHeadAttention(keras.layers.Layer):
             heads, head_weights = [], []
             for i in range(self.num_heads):
                 head_i, weights_i = scaled_dot_product_attention(
-                    query[:, :, i], key[:, :, i], value[:, :, i], mask=attention_mask,
-                    dropout=self.attention_dropout, training=training,
+                    query[:, :, i],
+                    key[:, :, i],
+                    value[:, :, i],
+                    mask=attention_mask,
+                    dropout=self.attention_dropout,
+                    training=training,
                     return_attention_weights=True,
                 )  # (batch, len_q, depth), (batch, len_q, len_k)
                 heads.append(head_i)
@@ -220,11 +226,17 @@ class MultiHeadAttention(keras.layers.Layer):
             query, key, value = (ops.transpose(t, (0, 2, 1, 3)) for t in (query, key, value))
             mask = None if attention_mask is None else ops.expand_dims(attention_mask, axis=1)
             context, weights = scaled_dot_product_attention(
-                query, key, value, mask=mask, dropout=self.attention_dropout,
-                training=training, return_attention_weights=True,
+                query,
+                key,
+                value,
+                mask=mask,
+                dropout=self.attention_dropout,
+                training=training,
+                return_attention_weights=True,
             )  # (batch, num_heads, len_q, depth)
-            context = ops.reshape(ops.transpose(context, (0, 2, 1, 3)),
-                                  (ops.shape(context)[0], -1, self.d_model))
+            context = ops.reshape(
+                ops.transpose(context, (0, 2, 1, 3)), (ops.shape(context)[0], -1, self.d_model)
+            )
         outputs = ops.matmul(context, ops.reshape(self._weight("output_kernel"), (-1, self.d_model)))
         if self.output_bias is not None:
             outputs = outputs + self._weight("output_bias")

@@ -26,8 +26,7 @@ def plot_learning_curve(epochs, path):
         path: where the PNG goes.
     """
     pyplot = _pyplot()
-    bleu = [(entry["epoch"], entry["val_bleu"]) for entry in epochs
-            if entry.get("val_bleu") is not None]
+    bleu = [(entry["epoch"], entry["val_bleu"]) for entry in epochs if entry.get("val_bleu") is not None]
     figure, axes = pyplot.subplots(1, 3 if bleu else 2, figsize=(15 if bleu else 10, 4))
     if bleu:
         axes[2].plot(*zip(*bleu), "--s", color="tab:orange", label="val (greedy)")
@@ -62,8 +61,7 @@ def plot_validation_curves(runs, path):
     figure, (loss_axis, bleu_axis) = pyplot.subplots(1, 2, figsize=(12, 4.5))
     for label, epochs in runs:
         minutes = np.cumsum([entry["seconds"] for entry in epochs]) / 60
-        loss_axis.plot(minutes, [entry.get("val_loss") for entry in epochs], "-o", markersize=3,
-                       label=label)
+        loss_axis.plot(minutes, [entry.get("val_loss") for entry in epochs], "-o", markersize=3, label=label)
         bleu = [(m, e["val_bleu"]) for m, e in zip(minutes, epochs) if e.get("val_bleu") is not None]
         if bleu:
             bleu_axis.plot(*zip(*bleu), "-s", markersize=3, label=label)
@@ -89,16 +87,19 @@ def plot_attention(weights, source_tokens, target_tokens, path):
         path: where the PNG goes.
     """
     pyplot = _pyplot()
-    labels = {"encoder_self": (source_tokens, source_tokens),
-              "decoder_self": (target_tokens, target_tokens),
-              "decoder_cross": (target_tokens, source_tokens)}
-    rows = [(kind, index, np.asarray(layer)[0])
-            for kind in ("encoder_self", "decoder_self", "decoder_cross")
-            for index, layer in enumerate(weights[kind])]
+    labels = {
+        "encoder_self": (source_tokens, source_tokens),
+        "decoder_self": (target_tokens, target_tokens),
+        "decoder_cross": (target_tokens, source_tokens),
+    }
+    rows = [
+        (kind, index, np.asarray(layer)[0])
+        for kind in ("encoder_self", "decoder_self", "decoder_cross")
+        for index, layer in enumerate(weights[kind])
+    ]
     heads = rows[0][2].shape[0]
     cell = max(2.0, 0.25 * max(len(source_tokens), len(target_tokens)))
-    figure, axes = pyplot.subplots(len(rows), heads, figsize=(cell * heads, cell * len(rows)),
-                                   squeeze=False)
+    figure, axes = pyplot.subplots(len(rows), heads, figsize=(cell * heads, cell * len(rows)), squeeze=False)
     for row, (kind, index, layer) in enumerate(rows):
         queries, keys = labels[kind]
         for head in range(heads):

@@ -62,8 +62,10 @@ class StopSignals:
             signal.raise_signal(number)
             return
         self.requested = name
-        self.log(f"Received {name}: stopping after the current step and saving the state "
-                 f"(send it again to stop at once).")
+        self.log(
+            f"Received {name}: stopping after the current step and saving the state "
+            f"(send it again to stop at once)."
+        )
 
 
 class StopAtStepBoundary(keras.callbacks.Callback):

@@ -29,9 +29,7 @@ def residual_block(inputs, sublayer, norm, dropout, norm_first, training=None):
 def make_norm_and_dropout(layer, prefix, dropout_rate, epsilon):
     """Creates `<prefix>_norm` and `<prefix>_dropout` on `layer` (stable checkpoint paths)."""
     check_rate("dropout_rate", dropout_rate)
-    norm = keras.layers.LayerNormalization(
-        epsilon=epsilon, dtype=layer.dtype_policy, name=f"{prefix}_norm"
-    )
+    norm = keras.layers.LayerNormalization(epsilon=epsilon, dtype=layer.dtype_policy, name=f"{prefix}_norm")
     dropout = Dropout(dropout_rate, dtype=layer.dtype_policy, name=f"{prefix}_dropout")
     setattr(layer, f"{prefix}_norm", norm)
     setattr(layer, f"{prefix}_dropout", dropout)

@@ -66,11 +66,15 @@ class RunDirectory:
         if not self.exists() or overwrite:
             return
         if not resume:
-            raise UserError(f"{self.path} already holds a run; pass --resume to continue it, "
-                            f"--overwrite to replace it, or choose another --out.")
+            raise UserError(
+                f"{self.path} already holds a run; pass --resume to continue it, "
+                f"--overwrite to replace it, or choose another --out."
+            )
         if not self.settings_path.exists():
-            raise UserError(f"{self.path} is not empty but holds no run.json, so it is not a "
-                            f"run to resume; choose another --out.")
+            raise UserError(
+                f"{self.path} is not empty but holds no run.json, so it is not a "
+                f"run to resume; choose another --out."
+            )
 
     def create(self, resume=False, overwrite=False):
         """Makes the directory and takes its writer lock; removes an old run when `overwrite`.
@@ -99,8 +103,10 @@ class RunDirectory:
     def settings(self):
         """`run.json` as a dict; `UserError` when this is not a run directory."""
         if not self.settings_path.exists():
-            raise UserError(f"{self.path} is not a run directory (no run.json); pass the --out "
-                            f"of a `keras-transformer train` run.")
+            raise UserError(
+                f"{self.path} is not a run directory (no run.json); pass the --out "
+                f"of a `keras-transformer train` run."
+            )
         return self.read_json(self.settings_path)
 
     def tokenizer(self):
@@ -122,8 +128,10 @@ def resolve_model(path):
     run.settings()
     if not model_path.exists():
         if model_path == run.model_path and run.state_dir.exists():
-            raise UserError(f"{model_path} does not exist: the run has not finished. Finish it with "
-                            f"`keras-transformer train ... --out {run.path} --resume`.")
+            raise UserError(
+                f"{model_path} does not exist: the run has not finished. Finish it with "
+                f"`keras-transformer train ... --out {run.path} --resume`."
+            )
         raise UserError(f"{model_path} does not exist.")
     return run, model_path
 
@@ -138,8 +146,10 @@ def load_model(path):
         return keras.saving.load_model(os.fspath(path), compile=False, safe_mode=True)
     except (OSError, ValueError, KeyError, zipfile.BadZipFile) as error:
         detail = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-        raise UserError(f"{path} cannot be loaded ({detail}); it is damaged or not a "
-                        f"keras-transformer model. Train or average it again.") from None
+        raise UserError(
+            f"{path} cannot be loaded ({detail}); it is damaged or not a "
+            f"keras-transformer model. Train or average it again."
+        ) from None
 
 
 def save_model(model, path):
@@ -168,15 +178,16 @@ def average_last_checkpoints(run, last, output=None):
     settings = run.settings()
     checkpoints = epoch_checkpoints(run.checkpoints_dir)
     if len(checkpoints) < last:
-        raise UserError(f"--last {last}, but {run.checkpoints_dir} holds {len(checkpoints)} "
-                        f"epoch checkpoint(s) (train keeps --keep-checkpoints of them).")
+        raise UserError(
+            f"--last {last}, but {run.checkpoints_dir} holds {len(checkpoints)} "
+            f"epoch checkpoint(s) (train keeps --keep-checkpoints of them)."
+        )
     config = TransformerConfig.from_dict(settings["model"])
     model = Transformer(config)
     model.build()
     # The checkpoints hold the optimizer slots too: load them into a model compiled alike.
     options = settings["options"]
-    compile_transformer(model, grad_accum=options.get("grad_accum", 1),
-                        clip_norm=options.get("clip_norm"))
+    compile_transformer(model, grad_accum=options.get("grad_accum", 1), clip_norm=options.get("clip_norm"))
     average_checkpoints(model, checkpoints[-last:])
     averaged = Transformer(config)
     averaged.build()

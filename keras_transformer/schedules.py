@@ -64,5 +64,9 @@ class NoamSchedule(keras.optimizers.schedules.LearningRateSchedule):
         )
 
     def get_config(self):
-        return {"d_model": self.d_model, "warmup_steps": self.warmup_steps, "scale": self.scale,
-                "steps_per_update": self.steps_per_update}
+        return {
+            "d_model": self.d_model,
+            "warmup_steps": self.warmup_steps,
+            "scale": self.scale,
+            "steps_per_update": self.steps_per_update,
+        }

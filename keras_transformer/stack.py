@@ -13,8 +13,15 @@ from keras_transformer.validation import check_positive_int, check_rate
 
 # Constructor arguments shared by EncoderLayer, DecoderLayer, Encoder, Decoder.
 LAYER_ARGUMENTS = (
-    "d_model", "num_heads", "d_ff", "dropout_rate", "attention_dropout_rate",
-    "activation_dropout_rate", "layer_norm_epsilon", "norm_first", "attention_mode",
+    "d_model",
+    "num_heads",
+    "d_ff",
+    "dropout_rate",
+    "attention_dropout_rate",
+    "activation_dropout_rate",
+    "layer_norm_epsilon",
+    "norm_first",
+    "attention_mode",
 )
 
 
@@ -51,9 +58,7 @@ class TransformerStack(LayerArguments, keras.layers.Layer):
         self.positional_encoding = SinusoidalPositionalEncoding(
             max_length, dtype=self.dtype_policy, name="positional_encoding"
         )
-        self.embedding_dropout = Dropout(
-            self.dropout_rate, dtype=self.dtype_policy, name="embedding_dropout"
-        )
+        self.embedding_dropout = Dropout(self.dropout_rate, dtype=self.dtype_policy, name="embedding_dropout")
         self.stack_layers = [
             self.layer_class(**self.layer_arguments(), dtype=self.dtype_policy, name=f"layer_{i}")
             for i in range(num_layers)
@@ -73,8 +78,7 @@ class TransformerStack(LayerArguments, keras.layers.Layer):
 
     def embed_positions(self, inputs, training=None, offset=0):
         """Positional encoding (from position `offset`) + embedding dropout (§3.5, §5.4)."""
-        return self.embedding_dropout(self.positional_encoding(inputs, offset=offset),
-                                      training=training)
+        return self.embedding_dropout(self.positional_encoding(inputs, offset=offset), training=training)
 
     def normalize_output(self, outputs):
         return outputs if self.output_norm is None else self.output_norm(outputs)

@@ -22,17 +22,39 @@ TARGET_VOWELS = ["ä", "ö", "ü", "a", "ei", "au", "ie"]
 GENDERS = ("m", "f", "n")
 # Articles by (definite, gender or "pl", case).
 ARTICLES = {
-    (True, "m", "nom"): "der", (True, "f", "nom"): "die", (True, "n", "nom"): "das",
-    (True, "m", "acc"): "den", (True, "f", "acc"): "die", (True, "n", "acc"): "das",
-    (True, "m", "dat"): "dem", (True, "f", "dat"): "der", (True, "n", "dat"): "dem",
-    (True, "pl", "nom"): "die", (True, "pl", "acc"): "die", (True, "pl", "dat"): "den",
-    (False, "m", "nom"): "ein", (False, "f", "nom"): "eine", (False, "n", "nom"): "ein",
-    (False, "m", "acc"): "einen", (False, "f", "acc"): "eine", (False, "n", "acc"): "ein",
-    (False, "m", "dat"): "einem", (False, "f", "dat"): "einer", (False, "n", "dat"): "einem",
+    (True, "m", "nom"): "der",
+    (True, "f", "nom"): "die",
+    (True, "n", "nom"): "das",
+    (True, "m", "acc"): "den",
+    (True, "f", "acc"): "die",
+    (True, "n", "acc"): "das",
+    (True, "m", "dat"): "dem",
+    (True, "f", "dat"): "der",
+    (True, "n", "dat"): "dem",
+    (True, "pl", "nom"): "die",
+    (True, "pl", "acc"): "die",
+    (True, "pl", "dat"): "den",
+    (False, "m", "nom"): "ein",
+    (False, "f", "nom"): "eine",
+    (False, "n", "nom"): "ein",
+    (False, "m", "acc"): "einen",
+    (False, "f", "acc"): "eine",
+    (False, "n", "acc"): "ein",
+    (False, "m", "dat"): "einem",
+    (False, "f", "dat"): "einer",
+    (False, "n", "dat"): "einem",
 }
 ADJECTIVE_ENDINGS = {"m": "er", "f": "e", "n": "es", "pl": "en"}
-PREPOSITIONS = {"with": "mit", "near": "bei", "from": "von", "after": "nach", "under": "unter",
-                "behind": "hinter", "beside": "neben", "before": "vor"}
+PREPOSITIONS = {
+    "with": "mit",
+    "near": "bei",
+    "from": "von",
+    "after": "nach",
+    "under": "unter",
+    "behind": "hinter",
+    "beside": "neben",
+    "before": "vor",
+}
 
 
 def _words(rng, count, syllables, vowels, taken):
@@ -55,8 +77,12 @@ class SyntheticLanguagePair:
         taken_target = {"und", *PREPOSITIONS.values(), *ARTICLES.values()}
 
         def pairs(count):
-            return list(zip(_words(rng, count, SOURCE_SYLLABLES, SOURCE_VOWELS, taken_source),
-                            _words(rng, count, TARGET_SYLLABLES, TARGET_VOWELS, taken_target)))
+            return list(
+                zip(
+                    _words(rng, count, SOURCE_SYLLABLES, SOURCE_VOWELS, taken_source),
+                    _words(rng, count, TARGET_SYLLABLES, TARGET_VOWELS, taken_target),
+                )
+            )
 
         self.nouns = [(s, t, GENDERS[rng.integers(3)]) for s, t in pairs(nouns)]
         self.adjectives = pairs(adjectives)
@@ -67,12 +93,14 @@ class SyntheticLanguagePair:
         source_noun, target_noun, gender = self.nouns[rng.integers(len(self.nouns))]
         plural = rng.random() < 0.3
         definite = rng.random() < 0.6
-        adjectives = [self.adjectives[i] for i in rng.integers(len(self.adjectives),
-                                                                size=rng.integers(max_adjectives + 1))]
+        adjectives = [
+            self.adjectives[i]
+            for i in rng.integers(len(self.adjectives), size=rng.integers(max_adjectives + 1))
+        ]
         agreement = "pl" if plural else gender
-        source = ([] if plural and not definite else ["the" if definite else "a"])
+        source = [] if plural and not definite else ["the" if definite else "a"]
         source += [s for s, _ in adjectives] + [source_noun + ("s" if plural else "")]
-        target = ([] if plural and not definite else [ARTICLES[(definite, agreement, case)]])
+        target = [] if plural and not definite else [ARTICLES[(definite, agreement, case)]]
         target += [t + ADJECTIVE_ENDINGS[agreement] for _, t in adjectives]
         target += [target_noun + ("en" if plural else "")]
         return source, target, plural

@@ -32,12 +32,16 @@ _SPACES = re.compile(" +")
 
 # SentencePiece's trainer errors that a user can act on, and what to tell them.
 _TRAINING_ERRORS = (
-    (re.compile(r"<= (\d+)"),
-     "vocab_size={vocab_size} is too large for this corpus: SentencePiece can build at most "
-     "{0} pieces from it. Use a vocabulary of at most {0} or train on more text."),
-    (re.compile(r"smaller than required_chars\. \d+ vs (\d+)"),
-     "vocab_size={vocab_size} is too small for this corpus: it needs at least {0} pieces "
-     "(256 bytes for byte fallback, the special ids and every character of the corpus)."),
+    (
+        re.compile(r"<= (\d+)"),
+        "vocab_size={vocab_size} is too large for this corpus: SentencePiece can build at most "
+        "{0} pieces from it. Use a vocabulary of at most {0} or train on more text.",
+    ),
+    (
+        re.compile(r"smaller than required_chars\. \d+ vs (\d+)"),
+        "vocab_size={vocab_size} is too small for this corpus: it needs at least {0} pieces "
+        "(256 bytes for byte fallback, the special ids and every character of the corpus).",
+    ),
 )
 
 
@@ -75,8 +79,16 @@ class Tokenizer:
         return tensorflow_text.SentencepieceTokenizer(model=self.model_proto, out_type=tf.int32)
 
     @classmethod
-    def train(cls, texts, vocab_size, path=None, model_type="bpe", character_coverage=1.0,
-              max_sentences=2_000_000, cap_to_corpus=False):
+    def train(
+        cls,
+        texts,
+        vocab_size,
+        path=None,
+        model_type="bpe",
+        character_coverage=1.0,
+        max_sentences=2_000_000,
+        cap_to_corpus=False,
+    ):
         """Trains a vocabulary of `vocab_size` pieces on an iterable of strings.
 
         Args:
@@ -100,12 +112,22 @@ class Tokenizer:
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 8:
             raise UserError(f"vocab_size must be an integer >= 8; got {vocab_size!r}.")
         model = io.BytesIO()
-        arguments = dict(sentence_iterator=iter(sentences), model_writer=model,
-                         model_type=model_type, character_coverage=character_coverage,
-                         pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
-                         byte_fallback=True, normalization_rule_name="nfkc",
-                         input_sentence_size=max_sentences, shuffle_input_sentence=True,
-                         num_threads=os.cpu_count() or 1, minloglevel=2)
+        arguments = dict(
+            sentence_iterator=iter(sentences),
+            model_writer=model,
+            model_type=model_type,
+            character_coverage=character_coverage,
+            pad_id=PAD_ID,
+            unk_id=UNK_ID,
+            bos_id=BOS_ID,
+            eos_id=EOS_ID,
+            byte_fallback=True,
+            normalization_rule_name="nfkc",
+            input_sentence_size=max_sentences,
+            shuffle_input_sentence=True,
+            num_threads=os.cpu_count() or 1,
+            minloglevel=2,
+        )
         try:
             sentencepiece.SentencePieceTrainer.train(vocab_size=vocab_size, **arguments)
         except RuntimeError as error:
@@ -147,12 +169,12 @@ class Tokenizer:
         it they go to SentencePiece as they are.
         """
         if repair_utf8:
-            strings = tf.strings.unicode_transcode(strings, "UTF-8", "UTF-8", errors="replace",
-                                                   replacement_char=0xFFFD)
+            strings = tf.strings.unicode_transcode(
+                strings, "UTF-8", "UTF-8", errors="replace", replacement_char=0xFFFD
+            )
         return self._ops().tokenize(strings)
 
-    def encode(self, strings, max_length=None, add_eos=True, pad_to_max_length=True,
-               repair_utf8=False):
+    def encode(self, strings, max_length=None, add_eos=True, pad_to_max_length=True, repair_utf8=False):
         """Strings `(batch,)` -> padded int32 ids `(batch, length)` for Keras layers.
 
         Appends EOS when `add_eos`; with `max_length`, longer sentences are

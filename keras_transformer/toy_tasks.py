@@ -11,8 +11,9 @@ from keras_transformer.validation import check_choice, check_positive_int
 TASKS = ("copy", "reverse")
 
 
-def sequence_task(task, num_examples, vocab_size, max_length=10, seed=0,
-                  pad_id=0, bos_id=2, eos_id=3, first_symbol=4):
+def sequence_task(
+    task, num_examples, vocab_size, max_length=10, seed=0, pad_id=0, bos_id=2, eos_id=3, first_symbol=4
+):
     """Random symbol sequences and their copy or reversal, as `fit` inputs.
 
     Sequences have 1..max_length symbols drawn from
@@ -44,7 +45,7 @@ def sequence_task(task, num_examples, vocab_size, max_length=10, seed=0,
         output = symbols[::-1] if task == "reverse" else symbols
         source[i, :length] = symbols
         target_in[i, 0] = bos_id
-        target_in[i, 1:length + 1] = output
+        target_in[i, 1 : length + 1] = output
         labels[i, :length] = output
         labels[i, length] = eos_id
     return {"source_ids": source, "target_ids": target_in}, labels

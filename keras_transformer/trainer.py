@@ -26,24 +26,43 @@ import numpy as np
 import tensorflow as tf
 
 from keras_transformer.batching import TokenizedPairs
-from keras_transformer.checkpoints import (CHECKPOINT_PATTERN, EpochCheckpoints, TrainingState,
-                                           epoch_checkpoints, logs_are_finite, restore_latest)
+from keras_transformer.checkpoints import (
+    CHECKPOINT_PATTERN,
+    EpochCheckpoints,
+    TrainingState,
+    epoch_checkpoints,
+    logs_are_finite,
+    restore_latest,
+)
 from keras_transformer.config import TransformerConfig
 from keras_transformer.data import load_corpus
 from keras_transformer.files import StorageError
 from keras_transformer.preemption import Preempted, StopAtStepBoundary, StopSignals
 from keras_transformer.run_directory import RunDirectory, save_model
 from keras_transformer.tokenizer import Tokenizer
-from keras_transformer.training import (build_for_fit, compile_transformer, select_strategy,
-                                         worker_index)
+from keras_transformer.training import build_for_fit, compile_transformer, select_strategy, worker_index
 from keras_transformer.transformer import Transformer
 from keras_transformer.validation import UserError
 
 # Settings that define the run: a resumed run must be given the same ones.
-RUN_DEFINING = ("data", "source_lang", "target_lang", "preset", "overrides", "vocab_size",
-                "batch_tokens", "max_length", "warmup_steps", "learning_rate_scale",
-                "learning_rate", "clip_norm", "label_smoothing", "grad_accum", "mixed_precision",
-                "seed")
+RUN_DEFINING = (
+    "data",
+    "source_lang",
+    "target_lang",
+    "preset",
+    "overrides",
+    "vocab_size",
+    "batch_tokens",
+    "max_length",
+    "warmup_steps",
+    "learning_rate_scale",
+    "learning_rate",
+    "clip_norm",
+    "label_smoothing",
+    "grad_accum",
+    "mixed_precision",
+    "seed",
+)
 
 
 @dataclasses.dataclass
@@ -149,8 +168,7 @@ class ValidationBleu(keras.callbacks.Callback):
         if logs is None or not logs_are_finite(logs):  # NonFiniteLoss stops the run
             return
         if self.translator is None:  # traced once, reused every epoch
-            self.translator = Translator(self.model, self.tokenizer, beam_size=1,
-                                         batch_size=self.batch_size)
+            self.translator = Translator(self.model, self.tokenizer, beam_size=1, batch_size=self.batch_size)
         start = time.perf_counter()
         hypotheses, _ = self.translator.translate(self.sources)
         logs["val_bleu"] = score_translations(hypotheses, self.references).bleu
@@ -171,16 +189,19 @@ class MetricsLog(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         seconds = time.perf_counter() - self.started
         share = 1.0 - self.first_step / self.steps_per_epoch
-        entry = {"epoch": epoch + 1, "seconds": round(seconds, 2),
-                 "target_tokens_per_second": round(self.target_tokens * share / seconds, 1),
-                 "learning_rate": float(keras.ops.convert_to_numpy(
-                     self.model.optimizer.learning_rate)),
-                 "optimizer_steps": int(keras.ops.convert_to_numpy(self.model.optimizer.iterations))}
+        entry = {
+            "epoch": epoch + 1,
+            "seconds": round(seconds, 2),
+            "target_tokens_per_second": round(self.target_tokens * share / seconds, 1),
+            "learning_rate": float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate)),
+            "optimizer_steps": int(keras.ops.convert_to_numpy(self.model.optimizer.iterations)),
+        }
         if self.first_step:
             entry["resumed_at_step"] = self.first_step
         # JSON has no NaN: a diverged value is recorded as null.
-        entry.update({key: float(value) if np.isfinite(value) else None
-                      for key, value in (logs or {}).items()})
+        entry.update(
+            {key: float(value) if np.isfinite(value) else None for key, value in (logs or {}).items()}
+        )
         self.summary["epochs"] = [e for e in self.summary["epochs"] if e["epoch"] != epoch + 1]
         self.summary["epochs"].append(entry)
         self.summary["epochs"].sort(key=lambda e: e["epoch"])
@@ -229,62 +250,92 @@ def _train(run, options, callbacks, log):
         tokenizer = _train_tokenizer(train_pairs, options.vocab_size, log)
     config = _model_config(options, tokenizer.vocab_size)
     max_length = min(options.max_length or config.max_length, config.max_length)
-    batches = TokenizedPairs(*train_pairs, tokenizer, options.batch_tokens, max_length,
-                             row_multiple=workers)
+    batches = TokenizedPairs(*train_pairs, tokenizer, options.batch_tokens, max_length, row_multiple=workers)
     if batches.info.examples == 0:
         raise UserError(f"No training pair fits in {max_length} tokens; raise --max-length.")
-    validation = TokenizedPairs(*val_pairs, tokenizer, options.batch_tokens, config.max_length,
-                                row_multiple=workers)
+    validation = TokenizedPairs(
+        *val_pairs, tokenizer, options.batch_tokens, config.max_length, row_multiple=workers
+    )
 
     run.create(resume=options.resume, overwrite=options.overwrite)
     if stored is None and run.settings_path.exists() and not options.overwrite:
-        raise UserError(f"Another process started a run in {run.path} meanwhile; run the command "
-                        f"again to resume it.")
+        raise UserError(
+            f"Another process started a run in {run.path} meanwhile; run the command again to resume it."
+        )
     if stored is None:
         tokenizer.save(run.tokenizer_path)
-        run.write_json(run.settings_path, {"options": _jsonable(options), "model": config.to_dict(),
-                                            "source_lang": corpus.source_lang,
-                                            "target_lang": corpus.target_lang})
-    log(f"Training pairs: {batches.info.examples:,} kept, {batches.info.dropped:,} longer than "
+        run.write_json(
+            run.settings_path,
+            {
+                "options": _jsonable(options),
+                "model": config.to_dict(),
+                "source_lang": corpus.source_lang,
+                "target_lang": corpus.target_lang,
+            },
+        )
+    log(
+        f"Training pairs: {batches.info.examples:,} kept, {batches.info.dropped:,} longer than "
         f"{max_length} tokens dropped; {batches.info.batches} batches per epoch; "
-        f"{len(val_pairs[0]):,} validation pairs.")
+        f"{len(val_pairs[0]):,} validation pairs."
+    )
     if options.mixed_precision:
         keras.config.set_dtype_policy(mixed_precision_policy())
     with strategy.scope():
         model = Transformer(config)
         model.build()
-        compile_transformer(model, options.label_smoothing, options.warmup_steps,
-                            options.learning_rate_scale, grad_accum=options.grad_accum,
-                            peak_learning_rate=options.learning_rate,
-                            clip_norm=options.clip_norm, jit_compile=options.xla)
+        compile_transformer(
+            model,
+            options.label_smoothing,
+            options.warmup_steps,
+            options.learning_rate_scale,
+            grad_accum=options.grad_accum,
+            peak_learning_rate=options.learning_rate,
+            clip_norm=options.clip_norm,
+            jit_compile=options.xla,
+        )
         build_for_fit(model)
-    log(f"Model: preset {options.preset}, {model.count_params():,} parameters, "
-        f"{strategy.num_replicas_in_sync} replica(s), --strategy {options.strategy}.")
-    epoch, step = (restore_latest(model, run.state_dir, run.checkpoints_dir, log)
-                   if stored is not None else (0, 0))
+    log(
+        f"Model: preset {options.preset}, {model.count_params():,} parameters, "
+        f"{strategy.num_replicas_in_sync} replica(s), --strategy {options.strategy}."
+    )
+    epoch, step = (
+        restore_latest(model, run.state_dir, run.checkpoints_dir, log) if stored is not None else (0, 0)
+    )
     extra = list(callbacks)
     if options.val_bleu:
         sources, references = val_pairs[0][: options.val_bleu], val_pairs[1][: options.val_bleu]
         extra.insert(0, ValidationBleu(sources, references, tokenizer))
-    return _fit(options, run, strategy, model, batches, validation, epoch, step, extra, log,
-                (index, workers))
+    return _fit(options, run, strategy, model, batches, validation, epoch, step, extra, log, (index, workers))
 
 
 def _fit(options, run, strategy, model, batches, validation, epoch, step, callbacks, log, worker):
     steps = batches.info.batches
-    summary = (run.read_json(run.metrics_path) if run.metrics_path.exists()
-               else {"epochs": [], "parameters": model.count_params()})
-    summary.update(status="running", examples=batches.info.examples, dropped=batches.info.dropped,
-                   batches_per_epoch=steps, replicas=strategy.num_replicas_in_sync)
+    summary = (
+        run.read_json(run.metrics_path)
+        if run.metrics_path.exists()
+        else {"epochs": [], "parameters": model.count_params()}
+    )
+    summary.update(
+        status="running",
+        examples=batches.info.examples,
+        dropped=batches.info.dropped,
+        batches_per_epoch=steps,
+        replicas=strategy.num_replicas_in_sync,
+    )
     summary.pop("preempted_at", None)
     target_tokens = int(np.sum(batches.target_ids.row_lengths().numpy()) + batches.info.examples)
     metrics_log, nan_guard = MetricsLog(run, summary, target_tokens), NonFiniteLoss()
     state = TrainingState(run.state_dir, options.save_every_steps or max(1, steps // 4))
     tensorboard, signals = keras.callbacks.TensorBoard(str(run.logs_dir)), StopSignals(log)
     # `callbacks` first: what they add to the epoch's logs (val_bleu) reaches metrics.json and TensorBoard.
-    all_callbacks = [nan_guard, *callbacks, metrics_log,
-                     EpochCheckpoints(run.checkpoints_dir, options.keep_checkpoints), state,
-                     tensorboard]
+    all_callbacks = [
+        nan_guard,
+        *callbacks,
+        metrics_log,
+        EpochCheckpoints(run.checkpoints_dir, options.keep_checkpoints),
+        state,
+        tensorboard,
+    ]
     spent = sum(entry.get("seconds", 0.0) for entry in summary["epochs"])
     if options.max_minutes:  # the whole run's budget: a resumed run counts its finished epochs
         all_callbacks.append(TimeBudget(60 * options.max_minutes, spent))
@@ -306,9 +357,16 @@ def _fit(options, run, strategy, model, batches, validation, epoch, step, callba
                 metrics_log.steps_per_epoch = steps
                 dataset = _distribute(batches.epochs(first, stop, options.seed, skip), worker[1])
                 # A skipping segment is one epoch long, so `steps - skip` is its length.
-                model.fit(dataset, initial_epoch=first, epochs=stop, steps_per_epoch=steps - skip,
-                          validation_data=validation_data,
-                          shuffle=False, verbose=verbose, callbacks=all_callbacks)
+                model.fit(
+                    dataset,
+                    initial_epoch=first,
+                    epochs=stop,
+                    steps_per_epoch=steps - skip,
+                    validation_data=validation_data,
+                    shuffle=False,
+                    verbose=verbose,
+                    callbacks=all_callbacks,
+                )
                 if nan_guard.where or model.stop_training:
                     break
         except Preempted as stop:
@@ -321,8 +379,10 @@ def _preempted(run, model, summary, metrics_log, stop, log):
     summary["status"] = "preempted"
     summary["preempted_at"] = {"epoch": stop.epoch + 1, "step": stop.step, "signal": stop.signal_name}
     metrics_log.write()
-    log(f"Training {stop}; the state is saved in {run.state_dir}. Run the same command with "
-        f"--resume to continue.")
+    log(
+        f"Training {stop}; the state is saved in {run.state_dir}. Run the same command with "
+        f"--resume to continue."
+    )
     return TrainingResult("preempted", run, summary["epochs"], model)
 
 
@@ -336,16 +396,20 @@ def _finish(run, model, summary, metrics_log, nan_guard, log, average_last=None)
         last = checkpoints[-1] if checkpoints else "none (no epoch finished)"
         summary["status"] = f"stopped: non-finite loss at epoch {epoch}, step {step}"
         metrics_log.write()
-        log(f"Training stopped: the loss became NaN/inf at epoch {epoch}, step {step}. "
-            f"Last good checkpoint: {last}.")
+        log(
+            f"Training stopped: the loss became NaN/inf at epoch {epoch}, step {step}. "
+            f"Last good checkpoint: {last}."
+        )
         return TrainingResult(summary["status"], run, summary["epochs"], model)
     save_model(model, run.model_path)
     averaged = ""
     if average_last:
         available = len(epoch_checkpoints(run.checkpoints_dir))
         if available < average_last:  # a time budget that ended training early
-            log(f"Averaging: only {available} epoch checkpoint(s), not --average-last "
-                f"{average_last}; averaging those.")
+            log(
+                f"Averaging: only {available} epoch checkpoint(s), not --average-last "
+                f"{average_last}; averaging those."
+            )
         if available:
             path, used = average_last_checkpoints(run, min(average_last, available))
             summary["averaged"] = [int(CHECKPOINT_PATTERN.search(p).group(1)) for p in used]
@@ -377,14 +441,17 @@ DEFAULT_VOCAB_SIZE = 8000
 
 
 def _train_tokenizer(train_pairs, vocab_size, log):
-    """The shared vocabulary; an explicit size the corpus cannot support is an error, the default is capped."""
+    """The shared vocabulary; an explicit size the corpus cannot support is an error, the default is
+    capped."""
     texts = train_pairs[0] + train_pairs[1]
     if vocab_size is not None:
         return Tokenizer.train(texts, vocab_size)
     tokenizer = Tokenizer.train(texts, DEFAULT_VOCAB_SIZE, cap_to_corpus=True)
     if tokenizer.vocab_size < DEFAULT_VOCAB_SIZE:
-        log(f"Vocabulary: {tokenizer.vocab_size} pieces, the most this corpus supports (the default "
-            f"is {DEFAULT_VOCAB_SIZE}; --vocab-size sets it).")
+        log(
+            f"Vocabulary: {tokenizer.vocab_size} pieces, the most this corpus supports (the default "
+            f"is {DEFAULT_VOCAB_SIZE}; --vocab-size sets it)."
+        )
     return tokenizer
 
 
@@ -418,12 +485,16 @@ def mixed_precision_policy():
 
 
 def _jsonable(options):
-    return {key: value for key, value in dataclasses.asdict(options).items()
-            if key not in ("resume", "overwrite", "verbose")}
+    return {
+        key: value
+        for key, value in dataclasses.asdict(options).items()
+        if key not in ("resume", "overwrite", "verbose")
+    }
 
 
 def check_options(options):
     """`UserError` (one line, naming the option) for a setting no run could use."""
+
     def positive(name, value, flag):
         if value is not None and not (isinstance(value, (int, float)) and value > 0):
             raise UserError(f"{flag} must be a number > 0; got {value!r}.")
@@ -433,29 +504,37 @@ def check_options(options):
     positive("clip_norm", options.clip_norm, "--clip-norm")
     positive("max_minutes", options.max_minutes, "--max-minutes")
     if options.learning_rate is not None and options.learning_rate_scale != 1.0:
-        raise UserError("--learning-rate (the peak) and --learning-rate-scale both set the "
-                        "learning rate; give one of them.")
+        raise UserError(
+            "--learning-rate (the peak) and --learning-rate-scale both set the "
+            "learning rate; give one of them."
+        )
     if not (isinstance(options.label_smoothing, (int, float)) and 0 <= options.label_smoothing < 1):
         raise UserError(f"--label-smoothing must be in [0, 1); got {options.label_smoothing!r}.")
     if not (isinstance(options.val_bleu, int) and options.val_bleu >= 0):
         raise UserError(f"--val-bleu must be a number of sentences >= 0; got {options.val_bleu!r}.")
     if options.average_last is not None:
         if not (isinstance(options.average_last, int) and options.average_last >= 1):
-            raise UserError(f"--average-last must be a positive integer; got "
-                            f"{options.average_last!r}.")
+            raise UserError(f"--average-last must be a positive integer; got {options.average_last!r}.")
         if options.average_last > options.keep_checkpoints:
-            raise UserError(f"--average-last {options.average_last} needs at least that many epoch "
-                            f"checkpoints; raise --keep-checkpoints (now "
-                            f"{options.keep_checkpoints}).")
+            raise UserError(
+                f"--average-last {options.average_last} needs at least that many epoch "
+                f"checkpoints; raise --keep-checkpoints (now "
+                f"{options.keep_checkpoints})."
+            )
 
 
 def _check_same_run(stored, options):
     current = _jsonable(options)
     # No --vocab-size: the stored vocabulary is reused whatever its size (runs made
     # before the default became "8000, capped to the corpus" stored 8000).
-    changed = [key for key in RUN_DEFINING if stored.get(key) != current.get(key)
-               and not (key == "vocab_size" and current.get(key) is None)]
+    changed = [
+        key
+        for key in RUN_DEFINING
+        if stored.get(key) != current.get(key) and not (key == "vocab_size" and current.get(key) is None)
+    ]
     if changed:
         details = ", ".join(f"{key}: {stored.get(key)!r} -> {current.get(key)!r}" for key in changed)
-        raise UserError(f"--resume with different settings than the stored run ({details}); "
-                        f"use the original settings or --overwrite.")
+        raise UserError(
+            f"--resume with different settings than the stored run ({details}); "
+            f"use the original settings or --overwrite."
+        )

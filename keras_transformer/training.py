@@ -22,8 +22,15 @@ from keras_transformer.schedules import NoamSchedule
 from keras_transformer.validation import UserError
 
 
-def make_optimizer(d_model, warmup_steps=4000, learning_rate_scale=1.0, grad_accum=1,
-                   peak_learning_rate=None, clip_norm=None, **adam_arguments):
+def make_optimizer(
+    d_model,
+    warmup_steps=4000,
+    learning_rate_scale=1.0,
+    grad_accum=1,
+    peak_learning_rate=None,
+    clip_norm=None,
+    **adam_arguments,
+):
     """Adam with β1 = 0.9, β2 = 0.98, ε = 1e-9 on `NoamSchedule(d_model, warmup_steps)`.
 
     `grad_accum` > 1 averages the gradients of that many batches into one
@@ -41,8 +48,9 @@ def make_optimizer(d_model, warmup_steps=4000, learning_rate_scale=1.0, grad_acc
     arguments.update(adam_arguments)
     if peak_learning_rate is not None:
         learning_rate_scale = NoamSchedule.scale_for_peak(peak_learning_rate, d_model, warmup_steps)
-    schedule = NoamSchedule(d_model, warmup_steps=warmup_steps, scale=learning_rate_scale,
-                            steps_per_update=grad_accum)
+    schedule = NoamSchedule(
+        d_model, warmup_steps=warmup_steps, scale=learning_rate_scale, steps_per_update=grad_accum
+    )
     return keras.optimizers.Adam(learning_rate=schedule, **arguments)
 
 
@@ -56,9 +64,11 @@ def select_strategy(name):
     if name == "multi-worker":
         cluster = _tf_config_cluster()
         if sum(len(tasks) for role, tasks in cluster.items() if role in ("chief", "worker")) < 1:
-            raise UserError("--strategy multi-worker needs TF_CONFIG with a cluster of workers, "
-                            'e.g. {"cluster": {"worker": ["host1:port", "host2:port"]}, '
-                            '"task": {"type": "worker", "index": 0}}.')
+            raise UserError(
+                "--strategy multi-worker needs TF_CONFIG with a cluster of workers, "
+                'e.g. {"cluster": {"worker": ["host1:port", "host2:port"]}, '
+                '"task": {"type": "worker", "index": 0}}.'
+            )
         return tf.distribute.MultiWorkerMirroredStrategy()
     gpus = tf.config.list_logical_devices("GPU")
     if name == "mirrored":
@@ -69,7 +79,8 @@ def select_strategy(name):
         # MirroredStrategy in the same process could collide with the first.)
         return tf.distribute.MirroredStrategy(
             [device.name for device in tf.config.list_logical_devices("CPU")],
-            cross_device_ops=tf.distribute.ReductionToOneDevice())
+            cross_device_ops=tf.distribute.ReductionToOneDevice(),
+        )
     if name == "auto" and len(gpus) > 1:
         return tf.distribute.MirroredStrategy([device.name for device in gpus])
     return tf.distribute.get_strategy()
@@ -95,9 +106,17 @@ def worker_index(strategy):
     return index, count
 
 
-def compile_transformer(model, label_smoothing=0.1, warmup_steps=4000, learning_rate_scale=1.0,
-                        optimizer=None, grad_accum=1, peak_learning_rate=None, clip_norm=None,
-                        **compile_arguments):
+def compile_transformer(
+    model,
+    label_smoothing=0.1,
+    warmup_steps=4000,
+    learning_rate_scale=1.0,
+    optimizer=None,
+    grad_accum=1,
+    peak_learning_rate=None,
+    clip_norm=None,
+    **compile_arguments,
+):
     """Compiles `model` (a `Transformer`) with the paper's objective and optimizer.
 
     Args:
@@ -116,8 +135,10 @@ def compile_transformer(model, label_smoothing=0.1, warmup_steps=4000, learning_
     """
     config = model.config
     model.compile(
-        optimizer=optimizer or make_optimizer(config.d_model, warmup_steps, learning_rate_scale,
-                                              grad_accum, peak_learning_rate, clip_norm),
+        optimizer=optimizer
+        or make_optimizer(
+            config.d_model, warmup_steps, learning_rate_scale, grad_accum, peak_learning_rate, clip_norm
+        ),
         loss=LabelSmoothedCrossEntropy(label_smoothing=label_smoothing, pad_id=config.pad_id),
         metrics=[MaskedTokenAccuracy(pad_id=config.pad_id)],
         **compile_arguments,

@@ -71,10 +71,12 @@ class Transformer(keras.Model):
         else:
             self.source_token_embedding = self._make_embedding(config.vocab_size, "source_embedding")
             self.target_token_embedding = self._make_embedding(config.target_vocab, "target_embedding")
-        self.encoder = Encoder(config.num_layers, **config.layer_arguments(),
-                               dtype=self.dtype_policy, name="encoder")
-        self.decoder = Decoder(config.num_decoder_layers, **config.layer_arguments(),
-                               dtype=self.dtype_policy, name="decoder")
+        self.encoder = Encoder(
+            config.num_layers, **config.layer_arguments(), dtype=self.dtype_policy, name="encoder"
+        )
+        self.decoder = Decoder(
+            config.num_decoder_layers, **config.layer_arguments(), dtype=self.dtype_policy, name="decoder"
+        )
         self.output_projection = None
         if not config.tie_output:
             self.output_projection = keras.layers.Dense(
@@ -124,12 +126,10 @@ class Transformer(keras.Model):
 
     def decode(self, target_ids, memory, source_ids, training=False):
         """Right-shifted target ids `(batch, len_tgt)` + memory -> logits `(batch, len_tgt, vocab)`."""
-        return self._decode(target_ids, memory, padding_mask(source_ids, self.config.pad_id),
-                            training)
+        return self._decode(target_ids, memory, padding_mask(source_ids, self.config.pad_id), training)
 
     def _encode(self, source_ids, source_mask, training):
-        return self.encoder(self.source_embedding(source_ids), attention_mask=source_mask,
-                            training=training)
+        return self.encoder(self.source_embedding(source_ids), attention_mask=source_mask, training=training)
 
     def _decode(self, target_ids, memory, source_mask, training):
         """`decode` with the source padding mask `(batch, 1, len_src)` already built."""
@@ -183,16 +183,21 @@ class Transformer(keras.Model):
         hidden, cache = self.decoder.call_with_cache(embedded, cache, step, memory_mask)
         return self.project(hidden)[:, 0], cache
 
-    def translate_ids(self, source_ids, beam_size=4, length_penalty=0.6, max_extra_length=50,
-                      num_return=1):
+    def translate_ids(self, source_ids, beam_size=4, length_penalty=0.6, max_extra_length=50, num_return=1):
         """Beam search (§6.1) from source ids; `beam_size=1` and `length_penalty=0` is greedy.
 
         Returns `(target_ids, scores)` as `keras_transformer.beam_search`.
         """
         from keras_transformer.decoding import beam_search
 
-        return beam_search(self, source_ids, beam_size=beam_size, length_penalty=length_penalty,
-                           max_extra_length=max_extra_length, num_return=num_return)
+        return beam_search(
+            self,
+            source_ids,
+            beam_size=beam_size,
+            length_penalty=length_penalty,
+            max_extra_length=max_extra_length,
+            num_return=num_return,
+        )
 
     def project(self, hidden):
         """Decoder output `(batch, len, d_model)` -> float32 logits `(batch, len, vocab)`."""
@@ -217,12 +222,16 @@ class Transformer(keras.Model):
         source_ids, target_ids = _unpack_inputs(inputs)
         source_mask = padding_mask(source_ids, self.config.pad_id)
         memory, encoder_self = self.encoder.call_with_weights(
-            self.source_embedding(source_ids), source_mask, training=False)
+            self.source_embedding(source_ids), source_mask, training=False
+        )
         _, decoder_self, decoder_cross = self.decoder.call_with_weights(
-            self.target_embedding(target_ids), memory,
-            padding_mask(target_ids, self.config.pad_id), source_mask, training=False)
-        return {"encoder_self": encoder_self, "decoder_self": decoder_self,
-                "decoder_cross": decoder_cross}
+            self.target_embedding(target_ids),
+            memory,
+            padding_mask(target_ids, self.config.pad_id),
+            source_mask,
+            training=False,
+        )
+        return {"encoder_self": encoder_self, "decoder_self": decoder_self, "decoder_cross": decoder_cross}
 
     def set_attention_mode(self, mode):
         """Switches every attention layer to `"batched"` or `"per_head"` (same weights).
@@ -254,8 +263,7 @@ class Transformer(keras.Model):
         if compile_metrics is not None and not compile_metrics.built:
             # Without a strategy Keras builds them in the first traced
             # `update_state`, from the logits the fused step does not make.
-            compile_metrics.build(y, keras.KerasTensor((None, None, self.config.target_vocab),
-                                                       "float32"))
+            compile_metrics.build(y, keras.KerasTensor((None, None, self.config.target_vocab), "float32"))
         loss_function = self._fused_loss_function(sample_weight)
         if loss_function is None:
             return self._logs_for_multi_worker(super().train_step(data))
@@ -292,16 +300,23 @@ class Transformer(keras.Model):
         loss = getattr(self, "loss", None)
         compile_loss = getattr(self, "_compile_loss", None)
         compile_metrics = getattr(self, "_compile_metrics", None)
-        if (not self.fused_output_loss or sample_weight is not None
-                or keras.backend.backend() != "tensorflow"
-                or not isinstance(loss, LabelSmoothedCrossEntropy) or loss.reduction == "none"
-                or compile_loss is None or compile_loss._user_loss_weights is not None):
+        if (
+            not self.fused_output_loss
+            or sample_weight is not None
+            or keras.backend.backend() != "tensorflow"
+            or not isinstance(loss, LabelSmoothedCrossEntropy)
+            or loss.reduction == "none"
+            or compile_loss is None
+            or compile_loss._user_loss_weights is not None
+        ):
             return None
         if compile_metrics is not None:
             if not compile_metrics.built or compile_metrics._flat_weighted_metrics != [None]:
                 return None
-            if not all(isinstance(metric, MaskedTokenAccuracy) and metric.pad_id == loss.pad_id
-                       for metric in compile_metrics.metrics):
+            if not all(
+                isinstance(metric, MaskedTokenAccuracy) and metric.pad_id == loss.pad_id
+                for metric in compile_metrics.metrics
+            ):
                 return None
         return loss
 
@@ -323,8 +338,10 @@ class Transformer(keras.Model):
 
         if not isinstance(self.distribute_strategy, tf.distribute.MultiWorkerMirroredStrategy):
             return logs
-        return {name: keras.ops.reshape(value, (1,)) if len(value.shape) == 0 else value
-                for name, value in logs.items()}
+        return {
+            name: keras.ops.reshape(value, (1,)) if len(value.shape) == 0 else value
+            for name, value in logs.items()
+        }
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         # Keras 3.15's `fit` under a strategy first reduces a distributed batch
@@ -332,8 +349,11 @@ class Transformer(keras.Model):
         # MultiWorkerMirroredStrategy cannot reduce our dict inputs. When the
         # model, loss, metrics and optimizer are all built already
         # (`training.build_for_fit`), there is nothing to build.
-        compiled = (getattr(self, "_compile_loss", None), getattr(self, "_compile_metrics", None),
-                    getattr(self, "optimizer", None))
+        compiled = (
+            getattr(self, "_compile_loss", None),
+            getattr(self, "_compile_metrics", None),
+            getattr(self, "optimizer", None),
+        )
         if self.built and all(part is not None and part.built for part in compiled):
             return
         super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)

@@ -23,23 +23,40 @@ class Translator:
         jit_compile: compile the search with XLA.
     """
 
-    def __init__(self, model, tokenizer, beam_size=4, length_penalty=0.6, max_extra_length=50,
-                 batch_size=64, jit_compile=False):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        beam_size=4,
+        length_penalty=0.6,
+        max_extra_length=50,
+        batch_size=64,
+        jit_compile=False,
+    ):
         self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
         self.max_source_length = model.config.max_length
 
         def search(source_ids):  # (batch, len_src) -> ids (batch, max_len), scores (batch,)
-            result = beam_search(model, source_ids, beam_size=beam_size,
-                                 length_penalty=length_penalty, max_extra_length=max_extra_length)
+            result = beam_search(
+                model,
+                source_ids,
+                beam_size=beam_size,
+                length_penalty=length_penalty,
+                max_extra_length=max_extra_length,
+            )
             return result.ids, result.scores
 
         self._search = tf.function(
-            search, input_signature=[tf.TensorSpec([None, None], tf.int32)], jit_compile=jit_compile)
+            search, input_signature=[tf.TensorSpec([None, None], tf.int32)], jit_compile=jit_compile
+        )
 
     def encode(self, sentences):
         """Strings -> padded source ids `(batch, len_src)`, EOS-terminated, truncated to max_length."""
-        return self.tokenizer.encode(tf.constant(list(sentences), tf.string),
-                                     max_length=self.max_source_length, pad_to_max_length=False)
+        return self.tokenizer.encode(
+            tf.constant(list(sentences), tf.string),
+            max_length=self.max_source_length,
+            pad_to_max_length=False,
+        )
 
     def translate(self, sentences, progress=None):
         """Translations of `sentences` (a list of str) as `(texts, scores)`, in input order.
@@ -54,7 +71,7 @@ class Translator:
         lengths = self.tokenizer.tokenize(tf.constant(sentences, tf.string)).row_lengths().numpy()
         order = np.argsort(lengths, kind="stable")
         for start in range(0, len(order), self.batch_size):
-            indices = order[start: start + self.batch_size]
+            indices = order[start : start + self.batch_size]
             ids, batch_scores = self._search(self.encode([sentences[i] for i in indices]))
             decoded = self.tokenizer.decode(ids).numpy()
             for index, text, score in zip(indices, decoded, batch_scores.numpy()):

@@ -29,19 +29,41 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-COMMON = ["--data", "multi30k", "--source-lang", "en", "--target-lang", "de",
-          "--keep-checkpoints", "5", "--average-last", "5", "--epochs", "200"]
+COMMON = [
+    "--data",
+    "multi30k",
+    "--source-lang",
+    "en",
+    "--target-lang",
+    "de",
+    "--keep-checkpoints",
+    "5",
+    "--average-last",
+    "5",
+    "--epochs",
+    "200",
+]
 # The reference point of the changes below: Transformer-Tiny's shape (`mini`),
 # peak learning rate 5e-3 after 1000 warmup steps, ~4096-token batches, BPE 8000.
-MINI = ["--preset", "mini", "--vocab-size", "8000", "--batch-tokens", "4096",
-        "--warmup-steps", "1000", "--learning-rate", "5e-3"]
+MINI = [
+    "--preset",
+    "mini",
+    "--vocab-size",
+    "8000",
+    "--batch-tokens",
+    "4096",
+    "--warmup-steps",
+    "1000",
+    "--learning-rate",
+    "5e-3",
+]
 
 
 def _replace(arguments, **changes):
     """`arguments` with the value after each `--flag` replaced (flag_name=value, None removes it)."""
     result, skip = [], False
     flags = {"--" + key.replace("_", "-"): value for key, value in changes.items()}
-    for index, item in enumerate(arguments):
+    for item in arguments:
         if skip:
             skip = False
             continue
@@ -61,8 +83,18 @@ def _replace(arguments, **changes):
 
 VARIANTS = {
     # Today's recipe (scripts/reproduce_multi30k.sh before this change).
-    "small (today)": ["--preset", "small", "--set", "dropout_rate=0.3", "--vocab-size", "8000",
-                      "--batch-tokens", "4096", "--warmup-steps", "1000"],
+    "small (today)": [
+        "--preset",
+        "small",
+        "--set",
+        "dropout_rate=0.3",
+        "--vocab-size",
+        "8000",
+        "--batch-tokens",
+        "4096",
+        "--warmup-steps",
+        "1000",
+    ],
     "mini, lr 5e-3": MINI,
     "mini, lr 2.5e-3": _replace(MINI, learning_rate="2.5e-3"),
     "mini 3+3 layers": MINI + ["--set", "num_layers=3"],
@@ -78,37 +110,73 @@ def _slug(name):
 
 
 def _pinned(core, command):
-    environment = dict(os.environ, TF_NUM_INTRAOP_THREADS="1", TF_NUM_INTEROP_THREADS="1",
-                       TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+    environment = dict(
+        os.environ,
+        TF_NUM_INTRAOP_THREADS="1",
+        TF_NUM_INTEROP_THREADS="1",
+        TF_CPP_MIN_LOG_LEVEL="2",
+        CUDA_VISIBLE_DEVICES="",
+    )
     return ["taskset", "-c", str(core), *command], environment
 
 
 def _train_command(binary, name, args):
-    return [binary, "train", *COMMON, "--data-dir", args.data_dir, *VARIANTS[name],
-            "--max-minutes", str(args.minutes), "--out", str(Path(args.runs) / _slug(name)),
-            "--resume"]
+    return [
+        binary,
+        "train",
+        *COMMON,
+        "--data-dir",
+        args.data_dir,
+        *VARIANTS[name],
+        "--max-minutes",
+        str(args.minutes),
+        "--out",
+        str(Path(args.runs) / _slug(name)),
+        "--resume",
+    ]
 
 
 def _evaluate(binary, name, args, core):
     run = Path(args.runs) / _slug(name)
-    command, environment = _pinned(core, [
-        binary, "evaluate", "--model", str(run / "averaged.keras"), "--data", "multi30k",
-        "--data-dir", args.data_dir, "--split", "val", "--beam-size", "4",
-        "--length-penalty", "0.6"])
+    command, environment = _pinned(
+        core,
+        [
+            binary,
+            "evaluate",
+            "--model",
+            str(run / "averaged.keras"),
+            "--data",
+            "multi30k",
+            "--data-dir",
+            args.data_dir,
+            "--split",
+            "val",
+            "--beam-size",
+            "4",
+            "--length-penalty",
+            "0.6",
+        ],
+    )
     subprocess.run(command, env=environment, check=True, stdout=subprocess.DEVNULL)
     report = json.loads((run / "eval-multi30k-val.json").read_text())
     metrics = json.loads((run / "metrics.json").read_text())
     epochs = metrics["epochs"]
     return {
-        "variant": name, "command": " ".join(["keras-transformer", "train", *VARIANTS[name]]),
-        "epochs": len(epochs), "optimizer_steps": epochs[-1]["optimizer_steps"],
+        "variant": name,
+        "command": " ".join(["keras-transformer", "train", *VARIANTS[name]]),
+        "epochs": len(epochs),
+        "optimizer_steps": epochs[-1]["optimizer_steps"],
         "train_minutes": round(sum(e["seconds"] for e in epochs) / 60, 1),
         "target_tokens_per_second": round(
             sum(e["target_tokens_per_second"] * e["seconds"] for e in epochs)
-            / sum(e["seconds"] for e in epochs), 1),
-        "parameters": metrics["parameters"], "averaged_epochs": metrics.get("averaged"),
+            / sum(e["seconds"] for e in epochs),
+            1,
+        ),
+        "parameters": metrics["parameters"],
+        "averaged_epochs": metrics.get("averaged"),
         "last_val_loss": epochs[-1].get("val_loss"),
-        "val_bleu": round(report["bleu"], 2), "val_chrf": round(report["chrf"], 2),
+        "val_bleu": round(report["bleu"], 2),
+        "val_chrf": round(report["chrf"], 2),
         "val_paper_bleu": None if report.get("paper_bleu") is None else round(report["paper_bleu"], 2),
         "bleu_signature": report["bleu_signature"],
     }
@@ -120,8 +188,14 @@ def _run_pair(binary, names, args, results):
         log = open(Path(args.runs) / f"{_slug(name)}.log", "a")
         command, environment = _pinned(core, _train_command(binary, name, args))
         print(f"[{time.strftime('%H:%M')}] core {core}: {name}", flush=True)
-        processes.append((name, core, subprocess.Popen(command, env=environment, stdout=log,
-                                                        stderr=subprocess.STDOUT), log))
+        processes.append(
+            (
+                name,
+                core,
+                subprocess.Popen(command, env=environment, stdout=log, stderr=subprocess.STDOUT),
+                log,
+            )
+        )
     for name, core, process, log in processes:
         status = process.wait()
         log.close()
@@ -137,8 +211,9 @@ def _run_pair(binary, names, args, results):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--minutes", type=float, default=40, help="training budget per variant")
-    parser.add_argument("--only", action="append", metavar="NAME",
-                        help="a variant to run (repeatable; default: all)")
+    parser.add_argument(
+        "--only", action="append", metavar="NAME", help="a variant to run (repeatable; default: all)"
+    )
     parser.add_argument("--list", action="store_true", help="print the variants and exit")
     parser.add_argument("--data-dir", default=str(ROOT.parent / "shared" / "data" / "multi30k"))
     parser.add_argument("--runs", default=str(ROOT / "runs" / "ablation"))
@@ -154,16 +229,20 @@ def main():
         parser.error(f"unknown variant(s) {unknown}; --list shows them")
     Path(args.runs).mkdir(parents=True, exist_ok=True)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    results = (json.loads(Path(args.json).read_text()) if Path(args.json).exists()
-               else {"minutes": args.minutes, "setting": "2 runs at a time, 1 core each", "rows": []})
+    results = (
+        json.loads(Path(args.json).read_text())
+        if Path(args.json).exists()
+        else {"minutes": args.minutes, "setting": "2 runs at a time, 1 core each", "rows": []}
+    )
     if results["minutes"] != args.minutes:
-        parser.error(f"{args.json} holds rows at --minutes {results['minutes']}; use that budget "
-                     f"or another --json")
+        parser.error(
+            f"{args.json} holds rows at --minutes {results['minutes']}; use that budget or another --json"
+        )
     done = {row["variant"] for row in results["rows"]}
     pending = [name for name in names if name not in done]
     binary = str(Path(sys.executable).parent / "keras-transformer")
     for start in range(0, len(pending), 2):
-        _run_pair(binary, pending[start: start + 2], args, results)
+        _run_pair(binary, pending[start : start + 2], args, results)
     print(f"{len(results['rows'])} rows in {args.json}")
     return 0
 

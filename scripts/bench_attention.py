@@ -50,7 +50,9 @@ def make_step(layer, inputs, mask, jit_compile):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--length", type=int, default=64)
     parser.add_argument("--d-model", type=int, default=512)
@@ -64,8 +66,9 @@ def main():
     rng = np.random.default_rng(0)
     inputs = tf.constant(rng.normal(size=(args.batch, args.length, args.d_model)).astype("float32"))
     lengths = rng.integers(args.length // 2, args.length + 1, size=args.batch)
-    mask = tf.constant((np.arange(args.length)[None, :] < lengths[:, None])[:, None, :]
-                       .repeat(args.length, axis=1))  # (batch, length, length)
+    mask = tf.constant(
+        (np.arange(args.length)[None, :] < lengths[:, None])[:, None, :].repeat(args.length, axis=1)
+    )  # (batch, length, length)
 
     layers = {
         "kt batched": kt.MultiHeadAttention(args.heads, args.d_model, mode="batched"),
@@ -94,24 +97,46 @@ def main():
     rows = []
     for (name, xla), samples in times.items():
         median = statistics.median(samples)
-        rows.append(dict(implementation=name, xla=xla, median_ms=median * 1e3,
-                         min_ms=min(samples) * 1e3, speedup_vs_keras=baseline / median,
-                         gflops=flops / median / 1e9))
-    print(f"\nForward+backward, self-attention (batch {args.batch}, length {args.length}, "
-          f"d_model {args.d_model}, {args.heads} heads), median of {args.rounds} rounds x "
-          f"{args.iterations} steps\n")
+        rows.append(
+            dict(
+                implementation=name,
+                xla=xla,
+                median_ms=median * 1e3,
+                min_ms=min(samples) * 1e3,
+                speedup_vs_keras=baseline / median,
+                gflops=flops / median / 1e9,
+            )
+        )
+    print(
+        f"\nForward+backward, self-attention (batch {args.batch}, length {args.length}, "
+        f"d_model {args.d_model}, {args.heads} heads), median of {args.rounds} rounds x "
+        f"{args.iterations} steps\n"
+    )
     print(f"| {'implementation':<26} | XLA | median ms | min ms | vs Keras MHA | GFLOP/s |")
     print(f"|{'-' * 28}|-----|-----------|--------|--------------|---------|")
     for row in rows:
-        print(f"| {row['implementation']:<26} | {'yes' if row['xla'] else 'no ':<3} | "
-              f"{row['median_ms']:9.1f} | {row['min_ms']:6.1f} | {row['speedup_vs_keras']:11.2f}x | "
-              f"{row['gflops']:7.1f} |")
+        print(
+            f"| {row['implementation']:<26} | {'yes' if row['xla'] else 'no ':<3} | "
+            f"{row['median_ms']:9.1f} | {row['min_ms']:6.1f} | {row['speedup_vs_keras']:11.2f}x | "
+            f"{row['gflops']:7.1f} |"
+        )
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as handle:
-        json.dump(dict(settings=vars(args), machine=dict(processor=platform.processor() or platform.machine(),
-                                                         cpus=os.cpu_count(), tensorflow=tf.__version__,
-                                                         keras=keras.__version__),
-                       flops_per_step=flops, results=rows), handle, indent=2)
+        json.dump(
+            dict(
+                settings=vars(args),
+                machine=dict(
+                    processor=platform.processor() or platform.machine(),
+                    cpus=os.cpu_count(),
+                    tensorflow=tf.__version__,
+                    keras=keras.__version__,
+                ),
+                flops_per_step=flops,
+                results=rows,
+            ),
+            handle,
+            indent=2,
+        )
     print(f"\nwrote {args.json}")
 
 

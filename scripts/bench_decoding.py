@@ -35,10 +35,13 @@ import keras_transformer as kt  # noqa: E402
 def ours(model, search, length, use_cache, xla):
     def decode(source):
         if search == "greedy":
-            return kt.greedy_search(model, source, max_length=length, min_length=length,
-                                    use_cache=use_cache).ids
-        return kt.beam_search(model, source, beam_size=4, max_length=length, min_length=length,
-                              use_cache=use_cache).ids
+            return kt.greedy_search(
+                model, source, max_length=length, min_length=length, use_cache=use_cache
+            ).ids
+        return kt.beam_search(
+            model, source, beam_size=4, max_length=length, min_length=length, use_cache=use_cache
+        ).ids
+
     return tf.function(decode, jit_compile=xla)
 
 
@@ -46,8 +49,11 @@ def keras_hub(model, search, length, xla):
     import keras_hub
 
     beams = 1 if search == "greedy" else 4
-    sampler = (keras_hub.samplers.GreedySampler() if search == "greedy"
-               else keras_hub.samplers.BeamSampler(num_beams=beams))
+    sampler = (
+        keras_hub.samplers.GreedySampler()
+        if search == "greedy"
+        else keras_hub.samplers.BeamSampler(num_beams=beams)
+    )
 
     def decode(source):
         memory = model.encode(source)
@@ -56,8 +62,9 @@ def keras_hub(model, search, length, xla):
             memory_mask = tf.repeat(memory_mask, beams, axis=0)
         cache = model.init_cache(memory, length)
         batch = tf.shape(source)[0]
-        prompt = tf.concat([tf.fill((batch, 1), model.config.bos_id),
-                            tf.zeros((batch, length), tf.int32)], axis=1)  # BOS + length tokens
+        prompt = tf.concat(
+            [tf.fill((batch, 1), model.config.bos_id), tf.zeros((batch, length), tf.int32)], axis=1
+        )  # BOS + length tokens
         mask = tf.concat([tf.ones((batch, 1), tf.bool), tf.zeros((batch, length), tf.bool)], axis=1)
 
         def next_fn(prompt, cache, index):
@@ -65,6 +72,7 @@ def keras_hub(model, search, length, xla):
             return logits, None, cache
 
         return sampler(next_fn, prompt, cache=cache, index=1, mask=mask)
+
     return tf.function(decode, jit_compile=xla)
 
 
@@ -79,7 +87,9 @@ def time_it(function, source, min_seconds, min_runs):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--lengths", type=int, nargs="+", default=[16, 32, 64])
     parser.add_argument("--source-length", type=int, default=20)
@@ -93,40 +103,67 @@ def main():
     keras.utils.set_random_seed(0)
     model = kt.Transformer.from_preset("small", vocab_size=args.vocab_size)
     rng = np.random.default_rng(0)
-    variants = [("ours, cache", dict(use_cache=True, xla=False)),
-                ("ours, cache, XLA", dict(use_cache=True, xla=True)),
-                ("ours, no cache", dict(use_cache=False, xla=False))]
+    variants = [
+        ("ours, cache", dict(use_cache=True, xla=False)),
+        ("ours, cache, XLA", dict(use_cache=True, xla=True)),
+        ("ours, no cache", dict(use_cache=False, xla=False)),
+    ]
     if not args.no_keras_hub:
         variants.append(("keras-hub sampler, cache", dict(keras_hub=True, xla=False)))
     rows = []
-    print(f"| search | batch | length | {' | '.join(name for name, _ in variants)} | cache speed-up | ours/keras-hub |")
+    names = " | ".join(name for name, _ in variants)
+    print(f"| search | batch | length | {names} | cache speed-up | ours/keras-hub |")
     print(f"|---|---|---|{'---|' * len(variants)}---|---|")
     for search in ("greedy", "beam4"):
         for batch in args.batches:
-            source = tf.constant(rng.integers(4, args.vocab_size, size=(batch, args.source_length)),
-                                 tf.int32)
+            source = tf.constant(rng.integers(4, args.vocab_size, size=(batch, args.source_length)), tf.int32)
             for length in args.lengths:
                 cells, seconds = [], {}
                 for name, options in variants:
                     if options.get("keras_hub"):
                         function = keras_hub(model, search.rstrip("4"), length, options["xla"])
                     else:
-                        function = ours(model, search.rstrip("4"), length, options["use_cache"],
-                                        options["xla"])
+                        function = ours(
+                            model, search.rstrip("4"), length, options["use_cache"], options["xla"]
+                        )
                     seconds[name] = time_it(function, source, args.min_seconds, args.min_runs)
-                    rows.append(dict(search=search, batch=batch, length=length, variant=name,
-                                     seconds=seconds[name], sentences_per_s=batch / seconds[name],
-                                     tokens_per_s=batch * length / seconds[name]))
-                    cells.append(f"{batch / seconds[name]:.1f} sent/s, {batch * length / seconds[name]:.0f} tok/s")
+                    rows.append(
+                        dict(
+                            search=search,
+                            batch=batch,
+                            length=length,
+                            variant=name,
+                            seconds=seconds[name],
+                            sentences_per_s=batch / seconds[name],
+                            tokens_per_s=batch * length / seconds[name],
+                        )
+                    )
+                    cells.append(
+                        f"{batch / seconds[name]:.1f} sent/s, {batch * length / seconds[name]:.0f} tok/s"
+                    )
                 speedup = seconds["ours, no cache"] / seconds["ours, cache"]
-                hub = (f"{seconds['keras-hub sampler, cache'] / seconds['ours, cache']:.2f}x"
-                       if "keras-hub sampler, cache" in seconds else "-")
-                print(f"| {search} | {batch} | {length} | {' | '.join(cells)} | {speedup:.1f}x | {hub} |",
-                      flush=True)
+                hub = (
+                    f"{seconds['keras-hub sampler, cache'] / seconds['ours, cache']:.2f}x"
+                    if "keras-hub sampler, cache" in seconds
+                    else "-"
+                )
+                print(
+                    f"| {search} | {batch} | {length} | {' | '.join(cells)} | {speedup:.1f}x | {hub} |",
+                    flush=True,
+                )
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as handle:
-        json.dump(dict(settings=vars(args), tensorflow=tf.__version__, keras=keras.__version__,
-                       cpus=os.cpu_count(), results=rows), handle, indent=2)
+        json.dump(
+            dict(
+                settings=vars(args),
+                tensorflow=tf.__version__,
+                keras=keras.__version__,
+                cpus=os.cpu_count(),
+                results=rows,
+            ),
+            handle,
+            indent=2,
+        )
     print(f"\nwrote {args.json}")
 
 

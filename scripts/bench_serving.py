@@ -9,8 +9,8 @@ size and GNMT length penalty, 2 threads each:
 | keras               | `keras_transformer.Translator`: tf-text tokenization, beam search in one `tf.function` (no XLA) |
 | saved_model         | `serving_default` of the exported SavedModel (what TF Serving runs; no XLA) |
 | onnx_full (before)  | `translate.onnx` as tf2onnx converts it (the export before `export.graph_rewrites`) |
-| onnx_full (no LN fusion) | `translate.onnx` with every rewrite of `export.graph_rewrites` but `fuse_layer_norms` |
-| onnx_full           | `translate.onnx` as exported now (`export.graph_rewrites.simplify`: weights out of the `Loop`, one `MatMul` per projection, one `LayerNormalization` per norm) |
+| onnx_full (rewrites 1-2) | `translate.onnx` with rewrites 1-2 of `export.graph_rewrites` only (weights hoisted, tensordots collapsed) |
+| onnx_full           | `translate.onnx` as exported now (`export.graph_rewrites.simplify`: weights out of the `Loop`, one `MatMul` per projection, one `LayerNormalization` per norm, one `Where` per `tf.where`) |
 | onnx_split          | `encoder.onnx` + `decoder_step.onnx` driven by the NumPy beam search |
 | onnx_int8           | `export --format onnx --quantization int8`, full graph |
 | ct2_float32         | `export --format ctranslate2`, `CTranslate2Translator` (GNMT re-ranking of the n-best; batches split by source length for exact parity) |
@@ -60,7 +60,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 BATCH = 32
-EXACT = ("saved_model", "onnx_full (before)", "onnx_full (no LN fusion)", "onnx_full", "onnx_split")
+EXACT = ("saved_model", "onnx_full (before)", "onnx_full (rewrites 1-2)", "onnx_full", "onnx_split")
 
 
 def _threads(count):
@@ -89,29 +89,41 @@ def runtimes(model, tokenizer, directory, args):
     onnx_dir = export_onnx(graphs, os.path.join(directory, "onnx"))
     int8_dir = export_onnx(graphs, os.path.join(directory, "onnx-int8"), quantization="int8")
     before_dir = os.path.join(directory, "onnx-before")  # the same export, translate.onnx unhoisted
-    unfused_dir = os.path.join(directory, "onnx-unfused")  # every rewrite but the LayerNorm fusion
+    # Rewrites 1-2 of export.graph_rewrites (the export before its LayerNorm and Where rewrites).
+    unfused_dir = os.path.join(directory, "onnx-unfused")
     raw = convert(graphs, "translate_ids")
-    for target_dir, model in ((before_dir, raw), (unfused_dir, simplify(copy.deepcopy(raw), layer_norms=False))):
+    for target_dir, translate_graph in (
+        (before_dir, raw),
+        (unfused_dir, simplify(copy.deepcopy(raw), layer_norms=False, wheres=False)),
+    ):
         os.makedirs(target_dir)
         for name in ("export.json", "tokenizer.model"):
-            with open(os.path.join(onnx_dir, name), "rb") as source, \
-                    open(os.path.join(target_dir, name), "wb") as target:
+            with (
+                open(os.path.join(onnx_dir, name), "rb") as source,
+                open(os.path.join(target_dir, name), "wb") as target,
+            ):
                 target.write(source.read())
-        onnx.save(model, os.path.join(target_dir, "translate.onnx"))
-    ct2 = {q: export_ctranslate2(model, tokenizer, os.path.join(directory, f"ct2-{q}"), quantization=q,
-                                 **settings) for q in ("float32", "int8")}
+        onnx.save(translate_graph, os.path.join(target_dir, "translate.onnx"))
+    ct2 = {
+        q: export_ctranslate2(
+            model, tokenizer, os.path.join(directory, f"ct2-{q}"), quantization=q, **settings
+        )
+        for q in ("float32", "int8")
+    }
 
     keras_translator = Translator(model, tokenizer, batch_size=BATCH, **settings)
     signature = tf.saved_model.load(saved).signatures["serving_default"]
     onnx_runtimes = {
         "onnx_full (before)": OnnxTranslator(before_dir, "full", BATCH, args.threads),
-        "onnx_full (no LN fusion)": OnnxTranslator(unfused_dir, "full", BATCH, args.threads),
+        "onnx_full (rewrites 1-2)": OnnxTranslator(unfused_dir, "full", BATCH, args.threads),
         "onnx_full": OnnxTranslator(onnx_dir, "full", BATCH, args.threads),
         "onnx_split": OnnxTranslator(onnx_dir, "split", BATCH, args.threads),
         "onnx_int8": OnnxTranslator(int8_dir, "full", BATCH, args.threads),
     }
-    ct2_translators = {q: CTranslate2Translator(path, intra_threads=args.threads, batch_size=BATCH)
-                       for q, path in ct2.items()}
+    ct2_translators = {
+        q: CTranslate2Translator(path, intra_threads=args.threads, batch_size=BATCH)
+        for q, path in ct2.items()
+    }
 
     def saved_model(sentences):
         out = signature(text=tf.constant(sentences))["translation"].numpy()
@@ -120,25 +132,43 @@ def runtimes(model, tokenizer, directory, args):
     def native(translator):
         def translate(sentences):
             tokens = translator.tokenize(sentences)
-            limit = max(1, min(max(map(len, tokens)) + 1 + translator.max_extra_length,
-                               translator.max_length) - 1)
+            limit = max(
+                1, min(max(map(len, tokens)) + 1 + translator.max_extra_length, translator.max_length) - 1
+            )
             outputs = translator.translator.translate_batch(
-                tokens, beam_size=args.beam_size, length_penalty=args.length_penalty,
-                max_decoding_length=limit, suppress_sequences=translator.never)
+                tokens,
+                beam_size=args.beam_size,
+                length_penalty=args.length_penalty,
+                max_decoding_length=limit,
+                suppress_sequences=translator.never,
+            )
             return [translator.processor.decode_pieces(o.hypotheses[0]) for o in outputs]
+
         return translate
 
     result = {"keras": lambda s: keras_translator.translate(s)[0], "saved_model": saved_model}
-    result.update({name: (lambda t: lambda s: t.translate(s)[0])(t) for name, t in onnx_runtimes.items()})
+    result.update({name: _texts_of(t) for name, t in onnx_runtimes.items()})
     for q, translator in ct2_translators.items():
-        result[f"ct2_{q}"] = (lambda t: lambda s: t.translate(s)[0])(translator)
+        result[f"ct2_{q}"] = _texts_of(translator)
     for q, translator in ct2_translators.items():
         result[f"ct2_native_{q}"] = native(translator)
-    sizes = {name: sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)
-                       if f.endswith((".onnx", ".bin")))
-             for name, path in (("onnx_full", onnx_dir), ("onnx_int8", int8_dir),
-                                ("ct2_float32", ct2["float32"]), ("ct2_int8", ct2["int8"]))}
+    sizes = {
+        name: sum(
+            os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith((".onnx", ".bin"))
+        )
+        for name, path in (
+            ("onnx_full", onnx_dir),
+            ("onnx_int8", int8_dir),
+            ("ct2_float32", ct2["float32"]),
+            ("ct2_int8", ct2["int8"]),
+        )
+    }
     return result, sizes
+
+
+def _texts_of(translator):
+    """`translate(sentences) -> translations` of a translator whose `translate` returns (texts, scores)."""
+    return lambda sentences: translator.translate(sentences)[0]
 
 
 def random_weights_without_eos(preset, vocab_size, seed=0):
@@ -151,7 +181,9 @@ def random_weights_without_eos(preset, vocab_size, seed=0):
     keras.utils.set_random_seed(seed)
     model = Transformer.from_preset(preset, vocab_size=vocab_size)
     if model.config.norm_first or not model.config.share_embeddings or not model.config.tie_output:
-        raise SystemExit("bench_serving: --random-weights needs a post-norm preset with shared, tied embeddings.")
+        raise SystemExit(
+            "bench_serving: --random-weights needs a post-norm preset with shared, tied embeddings."
+        )
     table = keras.ops.convert_to_numpy(model.token_embedding.embeddings).copy()
     table[EOS_ID] = table.std()
     model.token_embedding.embeddings.assign(table)
@@ -159,10 +191,14 @@ def random_weights_without_eos(preset, vocab_size, seed=0):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="runs/multi30k",
-                        help="a trained run directory or .keras file (default runs/multi30k, the recipe's)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--model",
+        default="runs/multi30k",
+        help="a trained run directory or .keras file (default runs/multi30k, the recipe's)",
+    )
     parser.add_argument("--data-dir", default=os.path.join("..", "shared", "data", "multi30k"))
     parser.add_argument("--split", default="test2016")
     parser.add_argument("--single", type=int, default=30, help="sentences timed at batch 1")
@@ -170,9 +206,12 @@ def main():
     parser.add_argument("--beam-size", type=int, default=4)
     parser.add_argument("--length-penalty", type=float, default=0.6)
     parser.add_argument("--threads", type=int, default=2, help="threads per runtime (default 2)")
-    parser.add_argument("--random-weights", metavar="PRESET",
-                        help="time a PRESET-sized model with random weights and EOS suppressed "
-                             "(the run's tokenizer; see above) instead of the trained weights")
+    parser.add_argument(
+        "--random-weights",
+        metavar="PRESET",
+        help="time a PRESET-sized model with random weights and EOS suppressed "
+        "(the run's tokenizer; see above) instead of the trained weights",
+    )
     parser.add_argument("--json", default="bench_results/serving.json")
     args = parser.parse_args()
     _threads(args.threads)
@@ -186,8 +225,9 @@ def main():
     try:
         run, model_path = resolve_model(args.model)
     except UserError as error:
-        raise SystemExit(f"bench_serving: {error} Train a model first "
-                         f"(scripts/reproduce_multi30k.sh) or pass --model.") from None
+        raise SystemExit(
+            f"bench_serving: {error} Train a model first (scripts/reproduce_multi30k.sh) or pass --model."
+        ) from None
     model, tokenizer = load_model(model_path), run.tokenizer()
     options = run.settings()["options"]
     if args.random_weights:
@@ -203,7 +243,7 @@ def main():
         sources, references = sources[: args.limit], references[: args.limit]
     single = sources[: args.single]
     order = np.argsort([len(ids) for ids in tokenizer.processor.encode(sources)], kind="stable")
-    batches = [[int(i) for i in order[start: start + BATCH]] for start in range(0, len(order), BATCH)]
+    batches = [[int(i) for i in order[start : start + BATCH]] for start in range(0, len(order), BATCH)]
 
     with tempfile.TemporaryDirectory() as directory:
         start = time.perf_counter()
@@ -239,11 +279,15 @@ def main():
     identical = {name: sum(a == b for a, b in zip(reference, t)) for name, t in texts.items()}
     exact_failures = [name for name in EXACT if identical[name] != len(sources)]
     if exact_failures:
-        raise SystemExit(f"bench_serving: {exact_failures} disagree with Keras on the split "
-                         f"({identical}); no timings printed.")
+        raise SystemExit(
+            f"bench_serving: {exact_failures} disagree with Keras on the split "
+            f"({identical}); no timings printed."
+        )
     if identical["ct2_float32"] < 0.95 * len(sources):
-        raise SystemExit(f"bench_serving: CTranslate2 float32 agrees on only "
-                         f"{identical['ct2_float32']}/{len(sources)}; no timings printed.")
+        raise SystemExit(
+            f"bench_serving: CTranslate2 float32 agrees on only "
+            f"{identical['ct2_float32']}/{len(sources)}; no timings printed."
+        )
     results = {}
     for name in translate:
         tokens = sum(len(ids) + 1 for ids in tokenizer.processor.encode(texts[name]))  # + EOS
@@ -257,27 +301,39 @@ def main():
             "batch32_sentences_per_s": len(sources) / seconds[name],
         }
     base, ct2_float, ct2_int8 = results["onnx_full (before)"], results["ct2_float32"], results["ct2_int8"]
-    print(f"\nModel {model_path} ({model.count_params():,} parameters), beam {args.beam_size}, "
-          f"alpha {args.length_penalty}, {args.threads} threads per runtime; {len(single)} sentences at "
-          f"batch 1, {len(sources)} ({args.split}) at batch {BATCH}, sorted by length; "
-          f"{os.cpu_count()} CPU cores.\n")
-    print("| runtime | identical to Keras | BLEU | batch 1 median ms | p90 ms | batch 32 target tok/s "
-          "| vs ONNX before (b1, b32) | vs CT2 float32 (b1, b32) |")
+    print(
+        f"\nModel {model_path} ({model.count_params():,} parameters), beam {args.beam_size}, "
+        f"alpha {args.length_penalty}, {args.threads} threads per runtime; {len(single)} sentences at "
+        f"batch 1, {len(sources)} ({args.split}) at batch {BATCH}, sorted by length; "
+        f"{os.cpu_count()} CPU cores.\n"
+    )
+    print(
+        "| runtime | identical to Keras | BLEU | batch 1 median ms | p90 ms | batch 32 target tok/s "
+        "| vs ONNX before (b1, b32) | vs CT2 float32 (b1, b32) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for name, r in results.items():
-        r["vs_onnx_before"] = [base["batch1_median_ms"] / r["batch1_median_ms"],
-                               base["batch32_seconds"] / r["batch32_seconds"]]
-        r["vs_ct2_float32"] = [ct2_float["batch1_median_ms"] / r["batch1_median_ms"],
-                               ct2_float["batch32_seconds"] / r["batch32_seconds"]]
-        print(f"| {name} | {r['identical_to_keras']}/{len(sources)} | {r['bleu']:.2f} | "
-              f"{r['batch1_median_ms']:.0f} | {r['batch1_p90_ms']:.0f} | "
-              f"{r['batch32_target_tokens_per_s']:.0f} | {r['vs_onnx_before'][0]:.2f}x, "
-              f"{r['vs_onnx_before'][1]:.2f}x | {r['vs_ct2_float32'][0]:.2f}x, "
-              f"{r['vs_ct2_float32'][1]:.2f}x |")
+        r["vs_onnx_before"] = [
+            base["batch1_median_ms"] / r["batch1_median_ms"],
+            base["batch32_seconds"] / r["batch32_seconds"],
+        ]
+        r["vs_ct2_float32"] = [
+            ct2_float["batch1_median_ms"] / r["batch1_median_ms"],
+            ct2_float["batch32_seconds"] / r["batch32_seconds"],
+        ]
+        print(
+            f"| {name} | {r['identical_to_keras']}/{len(sources)} | {r['bleu']:.2f} | "
+            f"{r['batch1_median_ms']:.0f} | {r['batch1_p90_ms']:.0f} | "
+            f"{r['batch32_target_tokens_per_s']:.0f} | {r['vs_onnx_before'][0]:.2f}x, "
+            f"{r['vs_onnx_before'][1]:.2f}x | {r['vs_ct2_float32'][0]:.2f}x, "
+            f"{r['vs_ct2_float32'][1]:.2f}x |"
+        )
     goals = {
         "onnx_full >= 0.9x ct2_float32": results["onnx_full"]["vs_ct2_float32"],
-        "onnx_int8 >= 0.9x ct2_int8": [ct2_int8["batch1_median_ms"] / results["onnx_int8"]["batch1_median_ms"],
-                                       ct2_int8["batch32_seconds"] / results["onnx_int8"]["batch32_seconds"]],
+        "onnx_int8 >= 0.9x ct2_int8": [
+            ct2_int8["batch1_median_ms"] / results["onnx_int8"]["batch1_median_ms"],
+            ct2_int8["batch32_seconds"] / results["onnx_int8"]["batch32_seconds"],
+        ],
         "saved_model >= 0.5x ct2_float32": results["saved_model"]["vs_ct2_float32"],
     }
     print("\nIssue 17's goals (batch 1, batch 32):")
@@ -285,13 +341,25 @@ def main():
         print(f"  {goal}: {b1:.2f}x, {b32:.2f}x")
     print(f"\nModel files: {', '.join(f'{k} {v / 1e6:.1f} MB' for k, v in sizes.items())}")
     report = {
-        "model": str(model_path), "random_weights": args.random_weights, "parameters": model.count_params(), "split": args.split,
-        "beam_size": args.beam_size, "length_penalty": args.length_penalty, "threads": args.threads,
-        "single_sentences": len(single), "batched_sentences": len(sources), "batch": BATCH,
-        "export_seconds": export_seconds, "model_bytes": sizes, "goals": goals,
-        "cpu_count": os.cpu_count(), "machine": platform.platform(), "tensorflow": tf.__version__,
+        "model": str(model_path),
+        "random_weights": args.random_weights,
+        "parameters": model.count_params(),
+        "split": args.split,
+        "beam_size": args.beam_size,
+        "length_penalty": args.length_penalty,
+        "threads": args.threads,
+        "single_sentences": len(single),
+        "batched_sentences": len(sources),
+        "batch": BATCH,
+        "export_seconds": export_seconds,
+        "model_bytes": sizes,
+        "goals": goals,
+        "cpu_count": os.cpu_count(),
+        "machine": platform.platform(),
+        "tensorflow": tf.__version__,
         "onnxruntime": __import__("onnxruntime").__version__,
-        "ctranslate2": __import__("ctranslate2").__version__, "results": results,
+        "ctranslate2": __import__("ctranslate2").__version__,
+        "results": results,
     }
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w", encoding="utf-8") as handle:

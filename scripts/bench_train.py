@@ -84,7 +84,7 @@ MODELS = {
 def matmul_limit(size=2048, repeats=10, rounds=5):
     """Sustained float32 FLOP/s of `repeats` chained size x size products (best of `rounds`)."""
     a = tf.random.normal([size, size])
-    b = tf.random.normal([size, size]) / size ** 0.5
+    b = tf.random.normal([size, size]) / size**0.5
 
     @tf.function
     def chain(x):
@@ -98,7 +98,7 @@ def matmul_limit(size=2048, repeats=10, rounds=5):
         start = time.perf_counter()
         chain(a).numpy()
         best = min(best, time.perf_counter() - start)
-    return 2 * size ** 3 * repeats / best
+    return 2 * size**3 * repeats / best
 
 
 def batch_flops(source, labels, config):
@@ -106,9 +106,14 @@ def batch_flops(source, labels, config):
     d, d_ff, layers, vocab = config.d_model, config.d_ff, config.num_layers, config.target_vocab
     n_s = (source != 0).sum(axis=1).astype(np.float64)
     n_t = (labels != 0).sum(axis=1).astype(np.float64)
-    encoder = layers * (n_s * (4 * d * d + 2 * d * d_ff) + 2 * n_s ** 2 * d)
-    decoder = layers * (n_t * (4 * d * d + 2 * d * d_ff) + 2 * n_t ** 2 * d
-                        + 2 * n_t * d * d + 2 * n_s * d * d + 2 * n_t * n_s * d)
+    encoder = layers * (n_s * (4 * d * d + 2 * d * d_ff) + 2 * n_s**2 * d)
+    decoder = layers * (
+        n_t * (4 * d * d + 2 * d * d_ff)
+        + 2 * n_t**2 * d
+        + 2 * n_t * d * d
+        + 2 * n_s * d * d
+        + 2 * n_t * n_s * d
+    )
     return float(6 * np.sum(encoder + decoder + n_t * d * vocab))
 
 
@@ -118,9 +123,10 @@ def keras_hub_transformer(config):
 
     source = keras.Input((None,), dtype="int32", name="source_ids")
     target = keras.Input((None,), dtype="int32", name="target_ids")
-    embedding = keras_hub.layers.ReversibleEmbedding(config.vocab_size, config.d_model,
-                                                     tie_weights=True, name="embedding")
-    scale = keras.layers.Rescaling(config.d_model ** 0.5)
+    embedding = keras_hub.layers.ReversibleEmbedding(
+        config.vocab_size, config.d_model, tie_weights=True, name="embedding"
+    )
+    scale = keras.layers.Rescaling(config.d_model**0.5)
     positions = keras_hub.layers.SinePositionEncoding()
 
     def embed(ids, name):
@@ -131,15 +137,21 @@ def keras_hub_transformer(config):
     source_mask = keras.ops.not_equal(source, config.pad_id)
     target_mask = keras.ops.not_equal(target, config.pad_id)
     memory = embed(source, "source")
-    layer_options = dict(intermediate_dim=config.d_ff, num_heads=config.num_heads,
-                         dropout=config.dropout_rate, layer_norm_epsilon=config.layer_norm_epsilon)
+    layer_options = dict(
+        intermediate_dim=config.d_ff,
+        num_heads=config.num_heads,
+        dropout=config.dropout_rate,
+        layer_norm_epsilon=config.layer_norm_epsilon,
+    )
     for index in range(config.num_layers):
         memory = keras_hub.layers.TransformerEncoder(**layer_options, name=f"encoder_{index}")(
-            memory, padding_mask=source_mask)
+            memory, padding_mask=source_mask
+        )
     hidden = embed(target, "target")
     for index in range(config.num_layers):
         hidden = keras_hub.layers.TransformerDecoder(**layer_options, name=f"decoder_{index}")(
-            hidden, memory, decoder_padding_mask=target_mask, encoder_padding_mask=source_mask)
+            hidden, memory, decoder_padding_mask=target_mask, encoder_padding_mask=source_mask
+        )
     logits = embedding(hidden, reverse=True)
     return keras.Model({"source_ids": source, "target_ids": target}, logits, name="keras_hub")
 
@@ -153,9 +165,12 @@ def build(implementation, config, jit_compile):
         # "ours logits": Keras' own step on the (batch, len, vocab) logits, as
         # keras-hub's build trains, instead of our fused projection + loss.
         model.fused_output_loss = implementation != "ours logits"
-    model.compile(optimizer=kt.make_optimizer(config.d_model, warmup_steps=4000),
-                  loss=kt.LabelSmoothedCrossEntropy(0.1, pad_id=config.pad_id),
-                  metrics=[kt.MaskedTokenAccuracy(pad_id=config.pad_id)], jit_compile=jit_compile)
+    model.compile(
+        optimizer=kt.make_optimizer(config.d_model, warmup_steps=4000),
+        loss=kt.LabelSmoothedCrossEntropy(0.1, pad_id=config.pad_id),
+        metrics=[kt.MaskedTokenAccuracy(pad_id=config.pad_id)],
+        jit_compile=jit_compile,
+    )
     return model
 
 
@@ -200,8 +215,10 @@ def load_batches(count, batch_tokens, data_dir):
     sources, targets = corpus["train"]
     tokenizer = kt.Tokenizer.train(sources + targets, vocab_size=8000)
     pairs = TokenizedPairs(sources, targets, tokenizer, batch_tokens=batch_tokens, max_length=128)
-    batches = [({k: v.numpy() for k, v in inputs.items()}, labels.numpy())
-               for inputs, labels in pairs.epoch(0, seed=0)]
+    batches = [
+        ({k: v.numpy() for k, v in inputs.items()}, labels.numpy())
+        for inputs, labels in pairs.epoch(0, seed=0)
+    ]
     # The most frequent batch shape only: XLA compiles one program per shape,
     # and compiling a dozen shapes per variant would dominate the run.
     shapes = [labels.shape for _, labels in batches]
@@ -210,16 +227,24 @@ def load_batches(count, batch_tokens, data_dir):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--batches", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batch-tokens", type=int, default=4096)
     parser.add_argument("--data-dir", default=str(ROOT.parent / "shared" / "data" / "multi30k"))
     parser.add_argument("--models", default="small,base-2")
-    parser.add_argument("--implementations", default="ours batched,ours per-head,keras-hub",
-                        help=f"comma-separated, from {', '.join(IMPLEMENTATIONS)}")
-    parser.add_argument("--mixed-precision", action="store_true",
-                        help="mixed_float16 on a GPU, mixed_bfloat16 on CPU (as `train --mixed-precision`)")
+    parser.add_argument(
+        "--implementations",
+        default="ours batched,ours per-head,keras-hub",
+        help=f"comma-separated, from {', '.join(IMPLEMENTATIONS)}",
+    )
+    parser.add_argument(
+        "--mixed-precision",
+        action="store_true",
+        help="mixed_float16 on a GPU, mixed_bfloat16 on CPU (as `train --mixed-precision`)",
+    )
     parser.add_argument("--json", default=str(ROOT / "bench_results" / "train.json"))
     args = parser.parse_args()
     unknown = sorted(set(args.implementations.split(",")) - set(IMPLEMENTATIONS))
@@ -233,16 +258,16 @@ def main():
     target_tokens = sum(int((labels != 0).sum()) for _, labels in batches)
 
     def dataset():  # the batches, all of one shape, as a cached in-memory dataset
-        stacked = ({key: np.stack([inputs[key] for inputs, _ in batches])
-                    for key in ("source_ids", "target_ids")},
-                   np.stack([labels for _, labels in batches]))
+        stacked = (
+            {key: np.stack([inputs[key] for inputs, _ in batches]) for key in ("source_ids", "target_ids")},
+            np.stack([labels for _, labels in batches]),
+        )
         return tf.data.Dataset.from_tensor_slices(stacked).cache()
 
     rows = []
     for model_name in args.models.split(","):
         settings = dict(MODELS[model_name])
-        config = kt.TransformerConfig.from_preset(settings.pop("preset"), vocab_size=vocab_size,
-                                                  **settings)
+        config = kt.TransformerConfig.from_preset(settings.pop("preset"), vocab_size=vocab_size, **settings)
         flops = sum(batch_flops(inputs["source_ids"], labels, config) for inputs, labels in batches)
         keras.config.set_dtype_policy(policy)  # again after each clear_session()
         models = {}
@@ -253,17 +278,24 @@ def main():
         passes = time_passes(models, dataset(), args.repeats)
         for (implementation, jit_compile), seconds in passes.items():
             step = float(np.median(seconds)) / len(batches)
-            row = dict(model=model_name, implementation=implementation, xla=jit_compile,
-                       parameters=models[implementation, jit_compile].count_params(),
-                       compute_dtype=models[implementation, jit_compile].compute_dtype,
-                       step_ms=step * 1e3, step_ms_passes=[s / len(batches) * 1e3 for s in seconds],
-                       target_tokens_per_s=target_tokens / len(batches) / step,
-                       flops_per_target_token=flops / target_tokens,
-                       gflops_per_s=flops / len(batches) / step / 1e9)
+            row = dict(
+                model=model_name,
+                implementation=implementation,
+                xla=jit_compile,
+                parameters=models[implementation, jit_compile].count_params(),
+                compute_dtype=models[implementation, jit_compile].compute_dtype,
+                step_ms=step * 1e3,
+                step_ms_passes=[s / len(batches) * 1e3 for s in seconds],
+                target_tokens_per_s=target_tokens / len(batches) / step,
+                flops_per_target_token=flops / target_tokens,
+                gflops_per_s=flops / len(batches) / step / 1e9,
+            )
             rows.append(row)
-            print(f"  {model_name:<7} {implementation:<14} xla={jit_compile!s:<5} "
-                  f"{row['step_ms']:8.1f} ms/step {row['target_tokens_per_s']:8.0f} tok/s",
-                  flush=True)  # MFU in the final table, against both matmul measurements
+            print(
+                f"  {model_name:<7} {implementation:<14} xla={jit_compile!s:<5} "
+                f"{row['step_ms']:8.1f} ms/step {row['target_tokens_per_s']:8.0f} tok/s",
+                flush=True,
+            )  # MFU in the final table, against both matmul measurements
         del models
         keras.backend.clear_session()
     limit_end = matmul_limit()
@@ -272,33 +304,51 @@ def main():
 
 
 def report(rows, limit_start, limit_end, target_tokens, batches, policy, args):
-    header = ("| model | implementation | XLA | step (ms) | target tokens/s | vs keras-hub | "
-              "rounds | GFLOP/token | GFLOP/s | MFU |")
+    header = (
+        "| model | implementation | XLA | step (ms) | target tokens/s | vs keras-hub | "
+        "rounds | GFLOP/token | GFLOP/s | MFU |"
+    )
     print(header)
     print("|---" * 10 + "|")
     limit = max(limit_start, limit_end)  # the higher measurement: the conservative MFU
     for row in rows:
         row["mfu"] = row["gflops_per_s"] * 1e9 / limit
-        hub = [r for r in rows if (r["model"], r["xla"], r["implementation"])
-               == (row["model"], row["xla"], "keras-hub")]
+        hub = [
+            r
+            for r in rows
+            if (r["model"], r["xla"], r["implementation"]) == (row["model"], row["xla"], "keras-hub")
+        ]
         ratio = row["target_tokens_per_s"] / hub[0]["target_tokens_per_s"] if hub else float("nan")
         row["vs_keras_hub"] = ratio
         # Same-round ratios: keras-hub's pass i over this variant's pass i (timed in one round).
         compared = hub and row["implementation"] != "keras-hub"
-        row["vs_keras_hub_rounds"] = ([h / o for h, o in zip(hub[0]["step_ms_passes"],
-                                                             row["step_ms_passes"])] if compared else [])
-        rounds = (f"{min(row['vs_keras_hub_rounds']):.2f}-{max(row['vs_keras_hub_rounds']):.2f}"
-                  if compared else "")
-        print(f"| {row['model']} | {row['implementation']} | {'yes' if row['xla'] else 'no'} | "
-              f"{row['step_ms']:.0f} | {row['target_tokens_per_s']:.0f} | "
-              f"{f'{ratio:.2f}x' if hub else '—'} | {rounds} | "
-              f"{row['flops_per_target_token'] / 1e9:.3f} | {row['gflops_per_s']:.1f} | "
-              f"{row['mfu']:.0%} |")
-    result = dict(rows=rows, matmul_gflops_start=limit_start / 1e9, matmul_gflops_end=limit_end / 1e9,
-                  batches=batches, target_tokens=target_tokens, batch_tokens=args.batch_tokens,
-                  repeats=args.repeats, dtype_policy=policy,
-                  machine=platform.processor() or platform.machine(),
-                  cpus=os.cpu_count(), tensorflow=tf.__version__, keras=keras.__version__)
+        row["vs_keras_hub_rounds"] = (
+            [h / o for h, o in zip(hub[0]["step_ms_passes"], row["step_ms_passes"])] if compared else []
+        )
+        rounds = (
+            f"{min(row['vs_keras_hub_rounds']):.2f}-{max(row['vs_keras_hub_rounds']):.2f}" if compared else ""
+        )
+        print(
+            f"| {row['model']} | {row['implementation']} | {'yes' if row['xla'] else 'no'} | "
+            f"{row['step_ms']:.0f} | {row['target_tokens_per_s']:.0f} | "
+            f"{f'{ratio:.2f}x' if hub else '—'} | {rounds} | "
+            f"{row['flops_per_target_token'] / 1e9:.3f} | {row['gflops_per_s']:.1f} | "
+            f"{row['mfu']:.0%} |"
+        )
+    result = dict(
+        rows=rows,
+        matmul_gflops_start=limit_start / 1e9,
+        matmul_gflops_end=limit_end / 1e9,
+        batches=batches,
+        target_tokens=target_tokens,
+        batch_tokens=args.batch_tokens,
+        repeats=args.repeats,
+        dtype_policy=policy,
+        machine=platform.processor() or platform.machine(),
+        cpus=os.cpu_count(),
+        tensorflow=tf.__version__,
+        keras=keras.__version__,
+    )
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nJSON: {args.json}")

@@ -41,16 +41,33 @@ def run(*arguments):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", default="runs/demo")
     parser.add_argument("--epochs", default="10")
     args = parser.parse_args()
     start = time.perf_counter()
     # tiny preset (2+2 layers, d_model 64): 10 epochs of 113 batches of ~4096
     # tokens on 20,000 synthetic pairs, about 45 s per epoch on 2 CPU cores.
-    run("train", "--data", "synthetic", "--preset", "tiny", "--vocab-size", "1000",
-        "--batch-tokens", "4096", "--warmup-steps", "400", "--epochs", args.epochs,
-        "--out", args.out, "--overwrite")
+    run(
+        "train",
+        "--data",
+        "synthetic",
+        "--preset",
+        "tiny",
+        "--vocab-size",
+        "1000",
+        "--batch-tokens",
+        "4096",
+        "--warmup-steps",
+        "400",
+        "--epochs",
+        args.epochs,
+        "--out",
+        args.out,
+        "--overwrite",
+    )
     run("evaluate", "--model", args.out, "--data", "synthetic", "--split", "test")
     with open(os.path.join(args.out, "eval-synthetic-test.json"), encoding="utf-8") as file:
         bleu = json.load(file)["bleu"]
@@ -66,13 +83,40 @@ def main():
         sys.stdin, sys.stdout = stdin, output
     for source, translation, reference in zip(sources, translations, references):
         print(f"  source:      {source}\n  translation: {translation}\n  reference:   {reference}\n")
-    run("attention", "--model", args.out, "--text", sources[0],
-        "--out", os.path.join(args.out, "attention.png"))
+    run(
+        "attention",
+        "--model",
+        args.out,
+        "--text",
+        sources[0],
+        "--out",
+        os.path.join(args.out, "attention.png"),
+    )
 
-    run("export", "--model", args.out, "--format", "saved_model", "--out",
-        os.path.join(args.out, "exports"), "--name", "demo", "--version", "1", "--overwrite")
-    run("export", "--model", args.out, "--format", "onnx", "--out", os.path.join(args.out, "onnx"),
-        "--overwrite")
+    run(
+        "export",
+        "--model",
+        args.out,
+        "--format",
+        "saved_model",
+        "--out",
+        os.path.join(args.out, "exports"),
+        "--name",
+        "demo",
+        "--version",
+        "1",
+        "--overwrite",
+    )
+    run(
+        "export",
+        "--model",
+        args.out,
+        "--format",
+        "onnx",
+        "--out",
+        os.path.join(args.out, "onnx"),
+        "--overwrite",
+    )
     parity = _check_parity(args.out, sources[:PARITY_SENTENCES])
 
     print(f"\nDemo finished in {(time.perf_counter() - start) / 60:.1f} min. Artifacts in {args.out}/:")
@@ -81,11 +125,12 @@ def main():
     if bleu < BLEU_FLOOR:
         raise SystemExit(f"demo FAILED: test BLEU {bleu:.2f} < {BLEU_FLOOR}")
     print(f"Test BLEU {bleu:.2f} >= {BLEU_FLOOR}: OK")
-    disagreeing = {name: r for name, r in parity["runtimes"].items()
-                   if r["identical"] != parity["sentences"]}
+    disagreeing = {name: r for name, r in parity["runtimes"].items() if r["identical"] != parity["sentences"]}
     if disagreeing or parity["max_logit_difference"] > 1e-4:
-        raise SystemExit(f"demo FAILED: exported models disagree with Keras: {disagreeing}, "
-                         f"max logit difference {parity['max_logit_difference']:.2e}")
+        raise SystemExit(
+            f"demo FAILED: exported models disagree with Keras: {disagreeing}, "
+            f"max logit difference {parity['max_logit_difference']:.2e}"
+        )
     print("SavedModel and ONNX Runtime give Keras's translations: OK")
 
 
@@ -94,10 +139,13 @@ def _check_parity(run_dir, sentences):
     from keras_transformer.run_directory import RunDirectory, load_model
 
     print(f"\n$ python -c 'export.parity.check_parity(...)'  ({len(sentences)} test sentences)")
-    report = check_parity(load_model(os.path.join(run_dir, "model.keras")),
-                          RunDirectory(run_dir).tokenizer(), sentences,
-                          saved_model_dir=os.path.join(run_dir, "exports", "demo", "1"),
-                          onnx_dir=os.path.join(run_dir, "onnx"))
+    report = check_parity(
+        load_model(os.path.join(run_dir, "model.keras")),
+        RunDirectory(run_dir).tokenizer(),
+        sentences,
+        saved_model_dir=os.path.join(run_dir, "exports", "demo", "1"),
+        onnx_dir=os.path.join(run_dir, "onnx"),
+    )
     for name, result in report["runtimes"].items():
         print(f"  {name:<12} {result['identical']}/{report['sentences']} translations identical to Keras")
     print(f"  forward.onnx logits: max |difference| to Keras {report['max_logit_difference']:.2e}")

@@ -18,7 +18,6 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np  # noqa: E402
 import onnx  # noqa: E402
 import onnxruntime  # noqa: E402
 
@@ -71,22 +70,34 @@ def main():
     with open(os.path.join(args.data_dir, f"{args.split}.{args.source_lang}"), encoding="utf-8") as handle:
         sentences = [line.rstrip("\n") for line in handle][: args.sentences]
     translator = OnnxTranslator(args.export_dir, "full")
-    report = {"export": args.export_dir, "main_nodes": main_nodes, "loop_body_nodes": loop_nodes,
-              "quantization": read_metadata(args.export_dir).get("quantization"), "threads": args.threads}
+    report = {
+        "export": args.export_dir,
+        "main_nodes": main_nodes,
+        "loop_body_nodes": loop_nodes,
+        "quantization": read_metadata(args.export_dir).get("quantization"),
+        "threads": args.threads,
+    }
     print(f"{path}: {main_nodes} nodes outside the Loop, {loop_nodes} in its body")
-    for label, batches in (("batch 1", [translator.encode([s]) for s in sentences]),
-                           ("batch 32", [translator.encode(sentences)])):
+    for label, batches in (
+        ("batch 1", [translator.encode([s]) for s in sentences]),
+        ("batch 32", [translator.encode(sentences)]),
+    ):
         totals, calls, steps = profile(path, batches, args.threads, step_node)
         busy = sum(totals.values())
-        print(f"\n{label}: {steps} decoding steps, {calls / steps:.0f} kernel calls and "
-              f"{busy / steps / 1000:.2f} ms of kernel time per step\n")
+        print(
+            f"\n{label}: {steps} decoding steps, {calls / steps:.0f} kernel calls and "
+            f"{busy / steps / 1000:.2f} ms of kernel time per step\n"
+        )
         print("| op type | share | ms per step |")
         print("|---|---|---|")
         for op_type, micros in sorted(totals.items(), key=lambda item: -item[1])[:15]:
             print(f"| {op_type} | {100 * micros / busy:.1f}% | {micros / steps / 1000:.3f} |")
-        report[label] = {"steps": steps, "kernel_calls_per_step": calls / steps,
-                         "kernel_ms_per_step": busy / steps / 1000,
-                         "op_share_percent": {k: 100 * v / busy for k, v in totals.items()}}
+        report[label] = {
+            "steps": steps,
+            "kernel_calls_per_step": calls / steps,
+            "kernel_ms_per_step": busy / steps / 1000,
+            "op_share_percent": {k: 100 * v / busy for k, v in totals.items()},
+        }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nWrote {args.json}")

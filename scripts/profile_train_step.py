@@ -31,25 +31,71 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-
-import keras_transformer as kt  # noqa: E402
 from bench_train import load_batches  # noqa: E402
 
+import keras_transformer as kt  # noqa: E402
+
 GROUPS = {
-    "matrix products": ("MatMul", "BatchMatMulV2", "BatchMatMulV3", "_MklMatMul", "_FusedMatMul",
-                        "_MklBatchMatMulV2", "_MklFusedMatMul", "Einsum"),
-    "dropout (random draws, masks)": ("StatelessRandomUniformV2", "StatelessRandomGetKeyCounter",
-                                      "RandomUniform", "StatelessRandomUniformFullIntV2",
-                                      "GreaterEqual", "SelectV2"),
+    "matrix products": (
+        "MatMul",
+        "BatchMatMulV2",
+        "BatchMatMulV3",
+        "_MklMatMul",
+        "_FusedMatMul",
+        "_MklBatchMatMulV2",
+        "_MklFusedMatMul",
+        "Einsum",
+    ),
+    "dropout (random draws, masks)": (
+        "StatelessRandomUniformV2",
+        "StatelessRandomGetKeyCounter",
+        "RandomUniform",
+        "StatelessRandomUniformFullIntV2",
+        "GreaterEqual",
+        "SelectV2",
+    ),
     "softmax / log-softmax": ("Softmax", "LogSoftmax", "SoftmaxCrossEntropyWithLogits"),
-    "layer norm and elementwise": ("Mean", "SquaredDifference", "Rsqrt", "AddV2", "Mul", "Sub",
-                                   "RealDiv", "Relu", "ReluGrad", "Sum", "Neg", "Square", "Sqrt"),
-    "shape and data movement": ("Reshape", "Transpose", "ConcatV2", "StridedSlice", "Slice", "Pack",
-                                "GatherV2", "Shape", "Cast", "Fill", "BroadcastTo", "Tile",
-                                "ExpandDims", "Squeeze", "Identity", "UnsortedSegmentSum",
-                                "StridedSliceGrad"),
-    "optimizer (Adam)": ("ResourceApplyAdam", "AssignVariableOp", "AssignAddVariableOp",
-                         "ReadVariableOp", "AssignSubVariableOp"),
+    "layer norm and elementwise": (
+        "Mean",
+        "SquaredDifference",
+        "Rsqrt",
+        "AddV2",
+        "Mul",
+        "Sub",
+        "RealDiv",
+        "Relu",
+        "ReluGrad",
+        "Sum",
+        "Neg",
+        "Square",
+        "Sqrt",
+    ),
+    "shape and data movement": (
+        "Reshape",
+        "Transpose",
+        "ConcatV2",
+        "StridedSlice",
+        "Slice",
+        "Pack",
+        "GatherV2",
+        "Shape",
+        "Cast",
+        "Fill",
+        "BroadcastTo",
+        "Tile",
+        "ExpandDims",
+        "Squeeze",
+        "Identity",
+        "UnsortedSegmentSum",
+        "StridedSliceGrad",
+    ),
+    "optimizer (Adam)": (
+        "ResourceApplyAdam",
+        "AssignVariableOp",
+        "AssignAddVariableOp",
+        "ReadVariableOp",
+        "AssignSubVariableOp",
+    ),
 }
 
 
@@ -71,8 +117,11 @@ def op_times(logdir):
                 continue
             names = {key: metadata.name for key, metadata in plane.event_metadata.items()}
             for line in plane.lines:
-                if line.name not in ("", "tf_Compute") and "Executor" not in line.name \
-                        and not line.name.startswith("tf_"):
+                if (
+                    line.name not in ("", "tf_Compute")
+                    and "Executor" not in line.name
+                    and not line.name.startswith("tf_")
+                ):
                     continue
                 for event in line.events:
                     name = names.get(event.metadata_id, "")
@@ -98,8 +147,10 @@ def main():
     vocab_size, batches = load_batches(args.steps, args.batch_tokens, args.data_dir)
     model = kt.Transformer.from_preset(args.preset, vocab_size=vocab_size)
     kt.compile_transformer(model, warmup_steps=1000)
-    stacked = ({key: np.stack([inputs[key] for inputs, _ in batches]) for key in ("source_ids", "target_ids")},
-               np.stack([labels for _, labels in batches]))
+    stacked = (
+        {key: np.stack([inputs[key] for inputs, _ in batches]) for key in ("source_ids", "target_ids")},
+        np.stack([labels for _, labels in batches]),
+    )
     dataset = tf.data.Dataset.from_tensor_slices(stacked).cache()
     args.steps = len(batches)  # the batches of the most frequent shape (one trace)
     model.fit(dataset, epochs=1, verbose=0)  # tracing
@@ -117,9 +168,11 @@ def main():
     for op_type, (micros, _) in totals.items():
         group = next((g for g, types in GROUPS.items() if op_type in types), "other")
         grouped[group] += micros
-    print(f"{args.preset}, {args.batch_tokens}-token batches: {step_seconds * 1000:.0f} ms per step "
-          f"(unprofiled), {ops_per_step:.0f} TensorFlow kernels per step, "
-          f"{busy / args.steps / 1000:.0f} ms of op time per step (two threads)\n")
+    print(
+        f"{args.preset}, {args.batch_tokens}-token batches: {step_seconds * 1000:.0f} ms per step "
+        f"(unprofiled), {ops_per_step:.0f} TensorFlow kernels per step, "
+        f"{busy / args.steps / 1000:.0f} ms of op time per step (two threads)\n"
+    )
     print("| op group | share of op time |")
     print("|---|---|")
     for group, micros in sorted(grouped.items(), key=lambda item: -item[1]):
@@ -128,16 +181,31 @@ def main():
     print("|---|---|---|---|")
     top = sorted(totals.items(), key=lambda item: -item[1][0])[:20]
     for op_type, (micros, count) in top:
-        print(f"| {op_type} | {micros / args.steps / 1000:.1f} | {count / args.steps:.0f} | "
-              f"{100 * micros / busy:.1f}% |")
+        print(
+            f"| {op_type} | {micros / args.steps / 1000:.1f} | {count / args.steps:.0f} | "
+            f"{100 * micros / busy:.1f}% |"
+        )
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({
-        "preset": args.preset, "batch_tokens": args.batch_tokens, "steps": args.steps,
-        "step_ms": step_seconds * 1000, "ops_per_step": ops_per_step,
-        "groups_percent": {g: 100 * m / busy for g, m in grouped.items()},
-        "op_types": {k: {"ms_per_step": v[0] / args.steps / 1000, "calls_per_step": v[1] / args.steps}
-                     for k, v in totals.items()},
-        "keras": keras.__version__, "tensorflow": tf.__version__}, indent=2) + "\n")
+    Path(args.json).write_text(
+        json.dumps(
+            {
+                "preset": args.preset,
+                "batch_tokens": args.batch_tokens,
+                "steps": args.steps,
+                "step_ms": step_seconds * 1000,
+                "ops_per_step": ops_per_step,
+                "groups_percent": {g: 100 * m / busy for g, m in grouped.items()},
+                "op_types": {
+                    k: {"ms_per_step": v[0] / args.steps / 1000, "calls_per_step": v[1] / args.steps}
+                    for k, v in totals.items()
+                },
+                "keras": keras.__version__,
+                "tensorflow": tf.__version__,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"\nWrote {args.json}")
     return 0
 

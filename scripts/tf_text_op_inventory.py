@@ -53,8 +53,9 @@ def inventory(wheel, ops):
         for library, data in libraries.items():
             if b"\x00" + op_name.encode() + b"\x00" not in data:
                 continue
-            names = [a.name for a in op.attr] + [a.name for a in op.input_arg] + [
-                a.name for a in op.output_arg]
+            names = (
+                [a.name for a in op.attr] + [a.name for a in op.input_arg] + [a.name for a in op.output_arg]
+            )
             spelled = sorted(n for n in names if re.search(rb"\x00" + re.escape(n.encode()) + rb": ", data))
             found[op_name] = {"library": library.rsplit("/", 1)[-1], "spelled": spelled}
             break
@@ -67,8 +68,11 @@ def main(argv=None):
     parser.add_argument("output", help="the JSON inventory to write")
     args = parser.parse_args(argv)
     version = re.search(r"tensorflow_text-([^-]+)-", args.wheel)
-    result = {"tensorflow_text": version.group(1) if version else None,
-              "source": "scripts/tf_text_op_inventory.py", "ops": inventory(args.wheel, registered_ops())}
+    result = {
+        "tensorflow_text": version.group(1) if version else None,
+        "source": "scripts/tf_text_op_inventory.py",
+        "ops": inventory(args.wheel, registered_ops()),
+    }
     with open(args.output, "w", encoding="utf-8") as file:
         json.dump(result, file, indent=1, sort_keys=True)
         file.write("\n")

@@ -36,17 +36,31 @@ def reverse_model():
     # No XLA: on this 2-core CPU it compiles for ~20 s and then runs no faster.
     kt.compile_transformer(model, warmup_steps=200, learning_rate_scale=0.7)
     start = time.perf_counter()
-    history = model.fit(train_x, train_y, batch_size=64, epochs=30, steps_per_epoch=50,
-                        validation_data=(val_x, val_y), callbacks=[_StopAtAccuracy(0.985)],
-                        verbose=0)
+    history = model.fit(
+        train_x,
+        train_y,
+        batch_size=64,
+        epochs=30,
+        steps_per_epoch=50,
+        validation_data=(val_x, val_y),
+        callbacks=[_StopAtAccuracy(0.985)],
+        verbose=0,
+    )
     seconds = time.perf_counter() - start
     accuracy = model.evaluate(val_x, val_y, verbose=0, return_dict=True)["token_accuracy"]
     phase_1_epochs = len(history.history["loss"])
-    model.fit(train_x, train_y, batch_size=64, epochs=phase_1_epochs + 25, steps_per_epoch=50,
-              initial_epoch=phase_1_epochs, validation_data=(val_x, val_y),
-              callbacks=[_StopAtAccuracy(0.999)], verbose=0)
-    return types.SimpleNamespace(model=model, seconds=seconds, accuracy=accuracy,
-                                 vocab=REVERSE_VOCAB)
+    model.fit(
+        train_x,
+        train_y,
+        batch_size=64,
+        epochs=phase_1_epochs + 25,
+        steps_per_epoch=50,
+        initial_epoch=phase_1_epochs,
+        validation_data=(val_x, val_y),
+        callbacks=[_StopAtAccuracy(0.999)],
+        verbose=0,
+    )
+    return types.SimpleNamespace(model=model, seconds=seconds, accuracy=accuracy, vocab=REVERSE_VOCAB)
 
 
 @pytest.fixture(scope="session")
@@ -79,11 +93,35 @@ def trained_run(tmp_path_factory, synthetic_files):
     from keras_transformer import cli
 
     out = tmp_path_factory.mktemp("runs") / "tiny"
-    status = cli.main(["train", "--data", "files:{},{}".format(*synthetic_files), "--out", str(out),
-                       "--epochs", "3", "--strategy", "mirrored", "--preset", "tiny",
-                       "--vocab-size", "300", "--batch-tokens", "1024", "--warmup-steps", "50",
-                       "--learning-rate", "2e-3", "--clip-norm", "5", "--val-bleu", "8",
-                       "--average-last", "2"])
+    status = cli.main(
+        [
+            "train",
+            "--data",
+            "files:{},{}".format(*synthetic_files),
+            "--out",
+            str(out),
+            "--epochs",
+            "3",
+            "--strategy",
+            "mirrored",
+            "--preset",
+            "tiny",
+            "--vocab-size",
+            "300",
+            "--batch-tokens",
+            "1024",
+            "--warmup-steps",
+            "50",
+            "--learning-rate",
+            "2e-3",
+            "--clip-norm",
+            "5",
+            "--val-bleu",
+            "8",
+            "--average-last",
+            "2",
+        ]
+    )
     assert status == 0
     return out
 
@@ -106,8 +144,21 @@ def exported(trained_run, tmp_path_factory):
 
     directory = tmp_path_factory.mktemp("exports")
     serving, onnx_dir = directory / "serving", directory / "onnx"
-    assert cli.main(["export", "--model", str(trained_run), "--format", "saved_model",
-                     "--out", str(serving), "--name", "tiny"]) == 0
-    assert cli.main(["export", "--model", str(trained_run), "--format", "onnx",
-                     "--out", str(onnx_dir)]) == 0
+    assert (
+        cli.main(
+            [
+                "export",
+                "--model",
+                str(trained_run),
+                "--format",
+                "saved_model",
+                "--out",
+                str(serving),
+                "--name",
+                "tiny",
+            ]
+        )
+        == 0
+    )
+    assert cli.main(["export", "--model", str(trained_run), "--format", "onnx", "--out", str(onnx_dir)]) == 0
     return serving, onnx_dir

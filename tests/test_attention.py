@@ -45,6 +45,7 @@ def test_fully_masked_row_is_zero_not_nan(dtype):
 
 def test_float16_with_huge_logits_stays_finite():
     q = np.full((1, 3, 4), 200.0, "float16")  # q.k = 160000 > float16 max before scaling
-    _, weights = kt.scaled_dot_product_attention(q, q, q, mask=np.array(kt.causal_mask(3)),
-                                                 return_attention_weights=True)
+    _, weights = kt.scaled_dot_product_attention(
+        q, q, q, mask=np.array(kt.causal_mask(3)), return_attention_weights=True
+    )
     assert np.all(np.isfinite(weights))

@@ -32,14 +32,17 @@ def _write(path, content):
     return path
 
 
-@pytest.mark.parametrize("case, expected", [
-    ("missing", "no such file"),
-    ("not_utf8", "line 3: not valid UTF-8"),
-    ("counts", "has 3 lines but"),
-    ("empty", "the corpus is empty"),
-    ("unknown", "Unknown dataset 'wmt99'"),
-    ("vocab", "vocab_size=300 is too large"),
-])
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("missing", "no such file"),
+        ("not_utf8", "line 3: not valid UTF-8"),
+        ("counts", "has 3 lines but"),
+        ("empty", "the corpus is empty"),
+        ("unknown", "Unknown dataset 'wmt99'"),
+        ("vocab", "vocab_size=300 is too large"),
+    ],
+)
 def test_bad_input_gives_one_line_exit_2_and_no_run_directory(case, expected, tmp_path, capsys):
     good = _write(tmp_path / "good.txt", b"a b\nc d\ne f\n")
     latin1 = _write(tmp_path / "latin1.en", b"ok\nfine\ncaf\xe9\n")
@@ -59,22 +62,29 @@ def test_bad_input_gives_one_line_exit_2_and_no_run_directory(case, expected, tm
     assert not out.exists()
 
 
-@pytest.mark.parametrize("arguments, expected", [
-    (["--learning-rate", "0"], "argument --learning-rate: expected a number > 0, got '0'"),
-    (["--learning-rate", "fast"], "argument --learning-rate: expected a number > 0"),
-    (["--clip-norm", "-1"], "argument --clip-norm: expected a number > 0, got '-1'"),
-    (["--clip-norm", "inf"], "argument --clip-norm: expected a number > 0"),
-    (["--learning-rate-scale", "-2"], "argument --learning-rate-scale: expected a number > 0"),
-    (["--max-minutes", "0"], "argument --max-minutes: expected a number > 0"),
-    (["--val-bleu", "-5"], "argument --val-bleu: expected an integer >= 0, got '-5'"),
-    (["--average-last", "0"], "argument --average-last: expected a positive integer, got '0'"),
-    (["--average-last", "6"], "--average-last 6 needs at least that many epoch checkpoints; "
-                              "raise --keep-checkpoints (now 5)."),
-    (["--learning-rate", "1e-3", "--learning-rate-scale", "2"],
-     "--learning-rate (the peak) and --learning-rate-scale both set the learning rate"),
-    (["--label-smoothing", "1"], "--label-smoothing must be in [0, 1); got 1.0."),
-    (["--label-smoothing", "-0.1"], "--label-smoothing must be in [0, 1)"),
-])
+@pytest.mark.parametrize(
+    "arguments, expected",
+    [
+        (["--learning-rate", "0"], "argument --learning-rate: expected a number > 0, got '0'"),
+        (["--learning-rate", "fast"], "argument --learning-rate: expected a number > 0"),
+        (["--clip-norm", "-1"], "argument --clip-norm: expected a number > 0, got '-1'"),
+        (["--clip-norm", "inf"], "argument --clip-norm: expected a number > 0"),
+        (["--learning-rate-scale", "-2"], "argument --learning-rate-scale: expected a number > 0"),
+        (["--max-minutes", "0"], "argument --max-minutes: expected a number > 0"),
+        (["--val-bleu", "-5"], "argument --val-bleu: expected an integer >= 0, got '-5'"),
+        (["--average-last", "0"], "argument --average-last: expected a positive integer, got '0'"),
+        (
+            ["--average-last", "6"],
+            "--average-last 6 needs at least that many epoch checkpoints; raise --keep-checkpoints (now 5).",
+        ),
+        (
+            ["--learning-rate", "1e-3", "--learning-rate-scale", "2"],
+            "--learning-rate (the peak) and --learning-rate-scale both set the learning rate",
+        ),
+        (["--label-smoothing", "1"], "--label-smoothing must be in [0, 1); got 1.0."),
+        (["--label-smoothing", "-0.1"], "--label-smoothing must be in [0, 1)"),
+    ],
+)
 def test_bad_training_option_gives_one_line_exit_2(arguments, expected, tmp_path, capsys):
     out = tmp_path / "run"
     try:
@@ -94,7 +104,8 @@ def test_bad_decoding_option_gives_one_line_exit_2(capsys):
     assert exit.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         "keras-transformer evaluate: error: argument --length-penalty: expected a number >= 0, "
-        "got '-0.5' (see --help)"]
+        "got '-0.5' (see --help)"
+    ]
 
 
 def test_existing_run_directory_needs_resume_or_overwrite(tmp_path, capsys, parallel_files):
@@ -113,11 +124,16 @@ def test_console_script_prints_one_error_line_and_exits_2(tmp_path):
     out = tmp_path / "run"
     completed = subprocess.run(
         [sys.executable, "-m", "keras_transformer.cli", "train", "--data", "nope", "--out", str(out)],
-        capture_output=True, text=True, timeout=300)
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert completed.returncode == 2
     ours = [line for line in completed.stderr.splitlines() if "keras-transformer" in line]
-    assert ours == ["keras-transformer: error: Unknown dataset 'nope'; use one of "
-                    "['synthetic', 'multi30k', 'files:SRC,TGT']."]
+    assert ours == [
+        "keras-transformer: error: Unknown dataset 'nope'; use one of "
+        "['synthetic', 'multi30k', 'files:SRC,TGT']."
+    ]
     assert "Traceback" not in completed.stderr and not out.exists()
 
 
@@ -136,14 +152,16 @@ def test_mirrored_strategy_trains_through_the_cli(trained_run):
     for name in ("run.json", "tokenizer.model", "model.keras", "learning_curve.png"):
         assert (trained_run / name).is_file(), name
     assert sorted(os.listdir(trained_run / "checkpoints")) == [
-        *(f"epoch-{n:04d}.weights.h5" for n in (1, 2, 3)), "manifest.json"]
+        *(f"epoch-{n:04d}.weights.h5" for n in (1, 2, 3)),
+        "manifest.json",
+    ]
     assert any((trained_run / "logs").rglob("events.out.tfevents.*"))
 
 
 def test_translate_reads_stdin_and_writes_one_line_per_input(trained_run, monkeypatch, capsys):
     import io
 
-    lines = ["the dog sees the cat", "", "caf\u00e9 \U0001F600", "x " * 400]
+    lines = ["the dog sees the cat", "", "caf\u00e9 \U0001f600", "x " * 400]
     stdin = io.TextIOWrapper(io.BytesIO(("\n".join(lines) + "\n").encode("utf-8")))
     monkeypatch.setattr(sys, "stdin", stdin)
     assert cli.main(["translate", "--model", str(trained_run), "--beam-size", "2", "--scores"]) == 0
@@ -154,12 +172,32 @@ def test_translate_reads_stdin_and_writes_one_line_per_input(trained_run, monkey
 
 def test_evaluate_average_and_attention(trained_run, parallel_files, capsys, tmp_path):
     assert (trained_run / "averaged.keras").is_file()  # train --average-last 2
-    assert cli.main(["average", "--model", str(trained_run), "--last", "2",
-                     "--output", str(tmp_path / "again.keras")]) == 0
+    assert (
+        cli.main(
+            ["average", "--model", str(trained_run), "--last", "2", "--output", str(tmp_path / "again.keras")]
+        )
+        == 0
+    )
     assert (tmp_path / "again.keras").is_file()
     data = "files:{},{}".format(*parallel_files)
-    assert cli.main(["evaluate", "--model", str(trained_run / "averaged.keras"), "--data", data,
-                     "--split", "train", "--limit", "20", "--beam-size", "2"]) == 0
+    assert (
+        cli.main(
+            [
+                "evaluate",
+                "--model",
+                str(trained_run / "averaged.keras"),
+                "--data",
+                data,
+                "--split",
+                "train",
+                "--limit",
+                "20",
+                "--beam-size",
+                "2",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "BLEU" in printed and "nrefs:1|case:mixed|eff:no|tok:13a" in printed
     report = json.loads((trained_run / "eval-files-train.json").read_text())
@@ -167,8 +205,20 @@ def test_evaluate_average_and_attention(trained_run, parallel_files, capsys, tmp
     assert 0 <= report["paper_bleu"] <= 100 and "tok:none" in report["paper_signature"]
     assert len((trained_run / "translations-files-train.txt").read_text().splitlines()) == 20
     picture = tmp_path / "attention.png"
-    assert cli.main(["attention", "--model", str(trained_run), "--text", "the dog sees the cat",
-                     "--out", str(picture)]) == 0
+    assert (
+        cli.main(
+            [
+                "attention",
+                "--model",
+                str(trained_run),
+                "--text",
+                "the dog sees the cat",
+                "--out",
+                str(picture),
+            ]
+        )
+        == 0
+    )
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert cli.main(["average", "--model", str(trained_run), "--last", "9"]) == 2
     assert "holds 3 epoch checkpoint(s)" in capsys.readouterr().err

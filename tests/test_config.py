@@ -37,8 +37,20 @@ def test_preset_without_vocab_size_says_so():
 def test_presets_follow_table_3():
     base = kt.TransformerConfig.from_preset("base", vocab_size=37000)
     big = kt.TransformerConfig.from_preset("big", vocab_size=37000)
-    assert (base.num_layers, base.d_model, base.d_ff, base.num_heads, base.dropout_rate) == (6, 512, 2048, 8, 0.1)
-    assert (big.num_layers, big.d_model, big.d_ff, big.num_heads, big.dropout_rate) == (6, 1024, 4096, 16, 0.3)
+    assert (base.num_layers, base.d_model, base.d_ff, base.num_heads, base.dropout_rate) == (
+        6,
+        512,
+        2048,
+        8,
+        0.1,
+    )
+    assert (big.num_layers, big.d_model, big.d_ff, big.num_heads, big.dropout_rate) == (
+        6,
+        1024,
+        4096,
+        16,
+        0.3,
+    )
     assert base.layer_norm_epsilon == 1e-6 and not base.norm_first
 
 
@@ -52,6 +64,7 @@ def test_parameter_counts_match_table_3_with_biases(preset, expected):
 
 def test_untied_embeddings_add_the_expected_parameters():
     tied = kt.Transformer.from_preset("tiny", vocab_size=100).count_params()
-    untied = kt.Transformer.from_preset("tiny", vocab_size=100, share_embeddings=False,
-                                        tie_output=False).count_params()
+    untied = kt.Transformer.from_preset(
+        "tiny", vocab_size=100, share_embeddings=False, tie_output=False
+    ).count_params()
     assert untied - tied == 100 * 64 + (64 * 100 + 100)  # target embedding + Dense(vocab)

@@ -38,8 +38,22 @@ def exports(trained_run, tmp_path_factory):
     paths = {}
     for quantization in ("float32", "int8"):
         paths[quantization] = directory / quantization
-        assert cli.main(["export", "--model", str(trained_run), "--format", "ctranslate2",
-                         "--quantization", quantization, "--out", str(paths[quantization])]) == 0
+        assert (
+            cli.main(
+                [
+                    "export",
+                    "--model",
+                    str(trained_run),
+                    "--format",
+                    "ctranslate2",
+                    "--quantization",
+                    quantization,
+                    "--out",
+                    str(paths[quantization]),
+                ]
+            )
+            == 0
+        )
     return paths
 
 
@@ -54,28 +68,30 @@ def _keras_log_probs(model, tokenizer, sources, targets):
     for i, p in enumerate(pieces):
         inputs[i, : len(p) + 1], labels[i, : len(p) + 1] = [2] + p, p + [3]
     logits = np.asarray(model({"source_ids": source_ids, "target_ids": inputs}), np.float64)
-    log_probs = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+    log_probs = (
+        logits
+        - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
         - logits.max(-1, keepdims=True)
-    return [np.take_along_axis(log_probs[i], labels[i][:, None], -1)[: len(p) + 1, 0]
-            for i, p in enumerate(pieces)]
+    )
+    return [
+        np.take_along_axis(log_probs[i], labels[i][:, None], -1)[: len(p) + 1, 0]
+        for i, p in enumerate(pieces)
+    ]
 
 
 def _max_log_prob_difference(model, tokenizer, path, sources, targets, reduce=np.max):
     """The largest (or `reduce`d) per-token difference of log-probabilities, over all pairs."""
     translator = ctranslate2.Translator(str(path), intra_threads=1)
     as_pieces = [tokenizer.processor.encode(t, out_type=str) for t in sources]
-    scored = translator.score_batch(as_pieces, [tokenizer.processor.encode(t, out_type=str)
-                                                for t in targets])
+    scored = translator.score_batch(as_pieces, [tokenizer.processor.encode(t, out_type=str) for t in targets])
     ours = _keras_log_probs(model, tokenizer, sources, targets)
     assert [len(s.log_probs) for s in scored] == [len(o) for o in ours]
-    return float(reduce(np.abs(np.concatenate([np.array(s.log_probs) - o
-                                               for s, o in zip(scored, ours)]))))
+    return float(reduce(np.abs(np.concatenate([np.array(s.log_probs) - o for s, o in zip(scored, ours)]))))
 
 
 def test_export_layout(exports, trained_run):
     names = sorted(os.listdir(exports["float32"]))
-    assert names == ["config.json", "export.json", "model.bin", "shared_vocabulary.json",
-                     "tokenizer.model"]
+    assert names == ["config.json", "export.json", "model.bin", "shared_vocabulary.json", "tokenizer.model"]
     config = json.loads((exports["float32"] / "config.json").read_text())
     assert (config["add_source_eos"], config["layer_norm_epsilon"]) == (True, 1e-6)
     vocabulary = json.loads((exports["float32"] / "shared_vocabulary.json").read_text())
@@ -84,24 +100,26 @@ def test_export_layout(exports, trained_run):
     assert vocabulary == [tokenizer.processor.id_to_piece(i) for i in range(tokenizer.vocab_size)]
     settings = json.loads((exports["int8"] / "export.json").read_text())
     assert settings["quantization"] == "int8"
-    assert settings["decoding"] == dict(beam_size=4, length_penalty=0.6, max_extra_length=50,
-                                        length_penalty_form="gnmt")
+    assert settings["decoding"] == dict(
+        beam_size=4, length_penalty=0.6, max_extra_length=50, length_penalty_form="gnmt"
+    )
     # int8 weights: the matrices take a quarter of the bytes.
     assert os.path.getsize(exports["int8"] / "model.bin") < 0.5 * os.path.getsize(
-        exports["float32"] / "model.bin")
+        exports["float32"] / "model.bin"
+    )
 
 
 def test_same_log_probabilities_as_keras(exports, run_parts, sentences):
     model, tokenizer = run_parts
     targets = Translator(model, tokenizer, beam_size=1).translate(sentences[:20])[0]
-    assert _max_log_prob_difference(model, tokenizer, exports["float32"], sentences[:20],
-                                    targets) < 1e-4
+    assert _max_log_prob_difference(model, tokenizer, exports["float32"], sentences[:20], targets) < 1e-4
 
 
-@pytest.mark.parametrize("overrides", [dict(norm_first=True),
-                                       dict(tie_output=False, share_embeddings=False,
-                                            num_decoder_layers=1)],
-                         ids=["pre-norm", "untied-output"])
+@pytest.mark.parametrize(
+    "overrides",
+    [dict(norm_first=True), dict(tie_output=False, share_embeddings=False, num_decoder_layers=1)],
+    ids=["pre-norm", "untied-output"],
+)
 def test_other_architectures_keep_their_log_probabilities(overrides, run_parts, sentences, tmp_path):
     """Random weights (no training): the mapping, not the data, is under test."""
     _, tokenizer = run_parts
@@ -110,8 +128,9 @@ def test_other_architectures_keep_their_log_probabilities(overrides, run_parts, 
         if "norm" in weight.path or "bias" in weight.path:
             weight.assign(np.random.default_rng(0).normal(0.3, 0.2, weight.shape).astype("float32"))
     export_ctranslate2(model, tokenizer, tmp_path / "model")
-    assert _max_log_prob_difference(model, tokenizer, tmp_path / "model", sentences[:8],
-                                    sentences[8:16]) < 1e-4
+    assert (
+        _max_log_prob_difference(model, tokenizer, tmp_path / "model", sentences[:8], sentences[8:16]) < 1e-4
+    )
 
 
 @pytest.mark.parametrize("beam_size", [4, 1], ids=["beam", "greedy"])
@@ -128,8 +147,9 @@ def test_translations_match_keras(beam_size, exports, run_parts, sentences):
     source_ids = keras_translator.encode(sentences).numpy()
     ids, keras_scores = (t.numpy() for t in keras_translator._search(source_ids))
     keras_texts = [t.decode("utf-8") for t in tokenizer.decode(ids).numpy()]
-    texts, scores = CTranslate2Translator(exports["float32"], beam_size=beam_size,
-                                          length_penalty=alpha, intra_threads=1).translate(sentences)
+    texts, scores = CTranslate2Translator(
+        exports["float32"], beam_size=beam_size, length_penalty=alpha, intra_threads=1
+    ).translate(sentences)
     same = np.array([a == b for a, b in zip(texts, keras_texts)])
     np.testing.assert_allclose(scores[same], keras_scores[same], atol=1e-3)
     if beam_size == 1:
@@ -143,28 +163,61 @@ def test_translations_match_keras(beam_size, exports, run_parts, sentences):
 
 def test_command_line_translation_and_int8(exports, sentences, run_parts):
     env = {**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    completed = subprocess.run([sys.executable, "-m", "export.ctranslate2", str(exports["int8"])],
-                               input="\n".join(sentences) + "\n", capture_output=True,
-                               text=True, env=env, check=True)
-    assert completed.stdout.split("\n")[:-1] == \
-        CTranslate2Translator(exports["int8"]).translate(sentences)[0]
+    completed = subprocess.run(
+        [sys.executable, "-m", "export.ctranslate2", str(exports["int8"])],
+        input="\n".join(sentences) + "\n",
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
+    assert completed.stdout.split("\n")[:-1] == CTranslate2Translator(exports["int8"]).translate(sentences)[0]
     # int8 changes the numbers, not the model: teacher-forced log-probabilities stay near
     # Keras's float32 ones. (This 3-epoch model's degenerate outputs make its int8 translations
     # a poor measure; the README reports int8 on a trained model.)
     model, tokenizer = run_parts
     targets = Translator(model, tokenizer, beam_size=1).translate(sentences[:20])[0]
-    difference = _max_log_prob_difference(model, tokenizer, exports["int8"], sentences[:20],
-                                          targets, reduce=np.mean)
+    difference = _max_log_prob_difference(
+        model, tokenizer, exports["int8"], sentences[:20], targets, reduce=np.mean
+    )
     assert 1e-4 < difference < 0.5, difference  # measured: 0.23 nats per token
 
 
 def test_refusals(trained_run, run_parts, tmp_path, capsys):
     model, tokenizer = run_parts
-    assert cli.main(["export", "--model", str(trained_run), "--format", "saved_model",
-                     "--quantization", "int8", "--out", str(tmp_path / "x")]) == 2
+    assert (
+        cli.main(
+            [
+                "export",
+                "--model",
+                str(trained_run),
+                "--format",
+                "saved_model",
+                "--quantization",
+                "int8",
+                "--out",
+                str(tmp_path / "x"),
+            ]
+        )
+        == 2
+    )
     assert "saved_model exports are float32" in capsys.readouterr().err
-    assert cli.main(["export", "--model", str(trained_run), "--format", "ctranslate2",
-                     "--max-bleu-drop", "2", "--out", str(tmp_path / "x")]) == 2
+    assert (
+        cli.main(
+            [
+                "export",
+                "--model",
+                str(trained_run),
+                "--format",
+                "ctranslate2",
+                "--max-bleu-drop",
+                "2",
+                "--out",
+                str(tmp_path / "x"),
+            ]
+        )
+        == 2
+    )
     assert "--max-bleu-drop is for --format onnx --quantization int8 only" in capsys.readouterr().err
     other = Transformer.from_preset("tiny", vocab_size=tokenizer.vocab_size + 5)
     with pytest.raises(UserError, match="do not belong together"):
@@ -175,6 +228,18 @@ def test_refusals(trained_run, run_parts, tmp_path, capsys):
         CTranslate2Translator(str(tmp_path))
     # An existing directory needs --overwrite.
     (tmp_path / "taken").mkdir()
-    assert cli.main(["export", "--model", str(trained_run), "--format", "ctranslate2",
-                     "--out", str(tmp_path / "taken")]) == 2
+    assert (
+        cli.main(
+            [
+                "export",
+                "--model",
+                str(trained_run),
+                "--format",
+                "ctranslate2",
+                "--out",
+                str(tmp_path / "taken"),
+            ]
+        )
+        == 2
+    )
     assert "--overwrite" in capsys.readouterr().err

@@ -1,7 +1,6 @@
 import urllib.error
 
 import numpy as np
-
 import pytest
 
 from keras_transformer import data
@@ -120,20 +119,27 @@ def synthetic_tokenized():
 def test_dataset_batches_by_tokens_in_padded_buckets(synthetic_tokenized):
     sources, targets, tokenizer = synthetic_tokenized
     dataset, info = data.make_dataset(sources, targets, tokenizer, batch_tokens=512, max_length=32)
-    lengths = np.maximum(tokenizer.tokenize(sources).row_lengths().numpy(),
-                         tokenizer.tokenize(targets).row_lengths().numpy()) + 1
+    lengths = (
+        np.maximum(
+            tokenizer.tokenize(sources).row_lengths().numpy(),
+            tokenizer.tokenize(targets).row_lengths().numpy(),
+        )
+        + 1
+    )
     assert info.dropped == int((lengths > 32).sum()) > 0
     assert info.examples + info.dropped == 1500
     seen = []
     for inputs, labels in dataset:
-        source, target_in, labels = (np.asarray(t) for t in (inputs["source_ids"], inputs["target_ids"], labels))
+        source, target_in, labels = (
+            np.asarray(t) for t in (inputs["source_ids"], inputs["target_ids"], labels)
+        )
         batch, length = source.shape
         assert target_in.shape == labels.shape == (batch, length)
         assert length % 8 == 0 and length <= 32 and batch * length <= 512
         assert np.all(target_in[:, 0] == 2)  # BOS
         for row_in, row_out, row_source in zip(target_in, labels, source):
             real = row_out[row_out != 0]
-            assert real[-1] == 3 and np.array_equal(row_in[1:len(real)], real[:-1])  # shifted by one
+            assert real[-1] == 3 and np.array_equal(row_in[1 : len(real)], real[:-1])  # shifted by one
             seen.append(tuple(row_source[row_source != 0]))
     assert len(seen) == info.examples == len(set(seen))  # each kept pair exactly once
     assert len(list(dataset)) == info.batches == int(dataset.cardinality())
@@ -143,8 +149,7 @@ def test_dataset_trains_with_fit(synthetic_tokenized):
     import keras_transformer as kt
 
     sources, targets, tokenizer = synthetic_tokenized
-    dataset, _ = data.make_dataset(sources[:300], targets[:300], tokenizer, batch_tokens=1024,
-                                   max_length=64)
+    dataset, _ = data.make_dataset(sources[:300], targets[:300], tokenizer, batch_tokens=1024, max_length=64)
     model = kt.Transformer.from_preset("tiny", vocab_size=tokenizer.vocab_size)
     kt.compile_transformer(model, warmup_steps=50)
     history = model.fit(dataset, epochs=2, shuffle=False, verbose=0)
@@ -174,6 +179,12 @@ def test_train_step_is_not_retraced_after_the_first_epoch(synthetic_tokenized):
     model.train_step = counting_train_step
     per_epoch = []
     record = keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: per_epoch.append(len(traces)))
-    model.fit(pairs.epochs(0, 3), epochs=3, steps_per_epoch=pairs.info.batches, shuffle=False,
-              verbose=0, callbacks=[record])
+    model.fit(
+        pairs.epochs(0, 3),
+        epochs=3,
+        steps_per_epoch=pairs.info.batches,
+        shuffle=False,
+        verbose=0,
+        callbacks=[record],
+    )
     assert per_epoch[0] >= 1 and per_epoch[0] == per_epoch[-1], per_epoch

@@ -78,8 +78,10 @@ def test_beam_never_scores_below_greedy_without_length_penalty(reverse_model):
 def test_trained_model_decodes_unseen_sequences_exactly(reverse_model):
     sources = _unseen_sources(200, seed=13)
     expected = _reversed_with_eos(sources)
-    for result in (kt.greedy_search(reverse_model.model, sources),
-                   reverse_model.model.translate_ids(sources)):  # beam 4, alpha 0.6
+    for result in (
+        kt.greedy_search(reverse_model.model, sources),
+        reverse_model.model.translate_ids(sources),
+    ):  # beam 4, alpha 0.6
         decoded = _strip(result.ids)
         exact = np.mean([d == e for d, e in zip(decoded, expected)])
         assert exact >= 0.98, exact
@@ -100,8 +102,11 @@ def test_n_best_is_sorted_distinct_and_scored(reverse_model):
 @pytest.mark.parametrize("search", ["greedy", "beam"])
 def test_batch_invariance(reverse_model, search):
     sources = _unseen_sources(6, seed=19)
-    decode = ((lambda s: kt.greedy_search(reverse_model.model, s)) if search == "greedy"
-              else (lambda s: kt.beam_search(reverse_model.model, s, beam_size=4)))
+    decode = (
+        (lambda s: kt.greedy_search(reverse_model.model, s))
+        if search == "greedy"
+        else (lambda s: kt.beam_search(reverse_model.model, s, beam_size=4))
+    )
     together = _strip(decode(sources).ids)
     for i, source in enumerate(sources):
         alone = source[None, : max(1, int((source != 0).sum()))]  # no padding at all
@@ -113,11 +118,14 @@ def test_xla_compiled_decoding_gives_the_eager_tokens(reverse_model, search):
     model = reverse_model.model
     sources = _unseen_sources(8, seed=23)
     if search == "greedy":
+
         def decode(s):
             return kt.greedy_search(model, s)
     else:
+
         def decode(s):
             return kt.beam_search(model, s, beam_size=4)
+
     eager = decode(sources)
     compiled = tf.function(decode, jit_compile=True)(tf.constant(sources))
     np.testing.assert_array_equal(compiled.ids, eager.ids)
@@ -148,8 +156,10 @@ def test_per_head_mode_decodes_the_same_tokens(reverse_model):
 def test_outputs_end_with_eos_within_the_length_limit():
     model = kt.Transformer.from_preset("tiny", vocab_size=30)  # untrained: rarely says EOS
     sources = np.array([[5, 6, 7, 0, 0], [5, 6, 7, 8, 9]], "int32")
-    for result in (kt.greedy_search(model, sources, max_extra_length=3),
-                   kt.beam_search(model, sources, beam_size=3, max_extra_length=3)):
+    for result in (
+        kt.greedy_search(model, sources, max_extra_length=3),
+        kt.beam_search(model, sources, beam_size=3, max_extra_length=3),
+    ):
         lengths = [len(h) for h in _strip(result.ids)]
         assert all(h[-1] == 3 for h in _strip(result.ids))
         assert lengths[0] <= 3 + 3 and lengths[1] <= 5 + 3
@@ -165,8 +175,10 @@ def test_pad_and_bos_are_never_generated_even_when_the_model_prefers_them():
     bias[[model.config.pad_id, model.config.bos_id]] = 50.0
     model.output_projection.bias.assign(bias)
     sources = np.array([[5, 6, 7, 3, 0], [5, 6, 7, 8, 3]], "int32")
-    for search in (lambda **kw: kt.greedy_search(model, sources, max_extra_length=4, **kw),
-                   lambda **kw: kt.beam_search(model, sources, beam_size=3, max_extra_length=4, **kw)):
+    for search in (
+        lambda **kw: kt.greedy_search(model, sources, max_extra_length=4, **kw),
+        lambda **kw: kt.beam_search(model, sources, beam_size=3, max_extra_length=4, **kw),
+    ):
         cached, uncached = search(), search(use_cache=False)
         np.testing.assert_array_equal(cached.ids, uncached.ids)
         np.testing.assert_allclose(cached.scores, uncached.scores, atol=1e-4)
@@ -185,8 +197,10 @@ def test_empty_batch_gives_empty_results():
 def test_all_padding_source_gives_a_defined_result():
     model = kt.Transformer.from_preset("tiny", vocab_size=30)
     sources = np.zeros((2, 4), "int32")
-    for result in (kt.greedy_search(model, sources, max_extra_length=0),
-                   kt.beam_search(model, sources, max_extra_length=0)):
+    for result in (
+        kt.greedy_search(model, sources, max_extra_length=0),
+        kt.beam_search(model, sources, max_extra_length=0),
+    ):
         np.testing.assert_array_equal(np.asarray(result.ids)[:, 0], [3, 3])  # just EOS
         assert np.all(np.isfinite(result.scores))
     result = kt.beam_search(model, sources, max_extra_length=4)
@@ -219,8 +233,10 @@ def test_source_of_wrong_rank_is_reported():
 
 def test_min_length_suppresses_early_eos(reverse_model):
     sources = _unseen_sources(6, seed=37)
-    for result in (kt.greedy_search(reverse_model.model, sources, min_length=12, max_length=12),
-                   kt.beam_search(reverse_model.model, sources, min_length=12, max_length=12)):
+    for result in (
+        kt.greedy_search(reverse_model.model, sources, min_length=12, max_length=12),
+        kt.beam_search(reverse_model.model, sources, min_length=12, max_length=12),
+    ):
         assert all(len(h) == 12 and h[-1] == 3 for h in _strip(result.ids))
     with pytest.raises(ValueError, match="min_length must be an integer >= 0"):
         kt.greedy_search(reverse_model.model, sources, min_length=-1)

@@ -11,8 +11,7 @@ from keras_transformer.dropout import _in_xla_computation
 def test_dropout_drops_at_the_rate_and_rescales_the_rest(jit_compile):
     layer = kt.Dropout(0.1, seed=0)
     inputs = tf.random.stateless_normal((64, 16, 128), seed=(1, 2))
-    apply = tf.function(lambda x: layer(x, training=True), jit_compile=jit_compile,
-                        autograph=False)
+    apply = tf.function(lambda x: layer(x, training=True), jit_compile=jit_compile, autograph=False)
     first, second = apply(inputs).numpy(), apply(inputs).numpy()
     dropped = first == 0
     assert abs(dropped.mean() - 0.1) < 0.005  # 131,072 draws: ~0.0008 standard deviation
@@ -55,18 +54,19 @@ def test_dropout_seed_reproduces_and_config_round_trips():
 
 def test_xla_context_is_detected():
     seen = []
-    tf.function(lambda: seen.append(_in_xla_computation()) or tf.constant(0),
-                jit_compile=True, autograph=False)()
+    tf.function(
+        lambda: seen.append(_in_xla_computation()) or tf.constant(0), jit_compile=True, autograph=False
+    )()
     tf.function(lambda: seen.append(_in_xla_computation()) or tf.constant(0), autograph=False)()
     assert seen == [True, False] and not _in_xla_computation()
 
 
-@pytest.mark.parametrize("jit_compile, algorithm", [(True, tf.random.Algorithm.THREEFRY),
-                                                     (False, tf.random.Algorithm.PHILOX)])
+@pytest.mark.parametrize(
+    "jit_compile, algorithm", [(True, tf.random.Algorithm.THREEFRY), (False, tf.random.Algorithm.PHILOX)]
+)
 def test_dropout_picks_the_generator_by_compilation(jit_compile, algorithm):
     layer = kt.Dropout(0.1, seed=0)
-    function = tf.function(lambda x: layer(x, training=True), jit_compile=jit_compile,
-                           autograph=False)
+    function = tf.function(lambda x: layer(x, training=True), jit_compile=jit_compile, autograph=False)
     graph = function.get_concrete_function(tf.TensorSpec((2, 3))).graph
     generators = [op for op in graph.get_operations() if op.type == "StatelessRandomUniformV2"]
     assert len(generators) == 1

@@ -39,7 +39,12 @@ def cli_translations(trained_run, sentences):
     """What `keras-transformer translate` prints for the sentences."""
     completed = subprocess.run(
         [sys.executable, "-m", "keras_transformer.cli", "translate", "--model", str(trained_run)],
-        input="\n".join(sentences) + "\n", capture_output=True, text=True, env=_env(), check=True)
+        input="\n".join(sentences) + "\n",
+        capture_output=True,
+        text=True,
+        env=_env(),
+        check=True,
+    )
     translations = completed.stdout.split("\n")[:-1]
     assert len(translations) == len(sentences)
     return translations
@@ -103,13 +108,15 @@ with tf.compat.v1.Session(graph=tf.Graph(), config=config) as session:
         "log_likelihood": run("score", source=sentences, target=request["targets"])[
             "log_likelihood"].tolist(),
     }
-result["project_modules"] = sorted(m for m in sys.modules if m.split(".")[0] in ("keras_transformer", "export"))
+result["project_modules"] = sorted(
+    m for m in sys.modules if m.split(".")[0] in ("keras_transformer", "export"))
 print(json.dumps(result))
 """
 
 
-def test_fresh_process_and_tf_serving_session_match_translate_cli(exported, trained_run, sentences,
-                                                                   cli_translations, synthetic_files):
+def test_fresh_process_and_tf_serving_session_match_translate_cli(
+    exported, trained_run, sentences, cli_translations, synthetic_files
+):
     """`tf.saved_model.load` and TF Serving's loading path (TF1 session, tensor names, no XLA),
     in a process with only TensorFlow and tf-text: the translations of `keras-transformer
     translate`, and the same ids, scores and log-likelihoods from both paths."""
@@ -117,12 +124,19 @@ def test_fresh_process_and_tf_serving_session_match_translate_cli(exported, trai
 
     tokenizer = RunDirectory(trained_run).tokenizer()
     targets = synthetic_files[1].read_text(encoding="utf-8").splitlines()[-SENTENCES:]
-    request = {"sentences": sentences, "targets": targets,
-               "source_ids": tokenizer.encode(tf.constant(sentences[:16])).numpy().tolist()}
+    request = {
+        "sentences": sentences,
+        "targets": targets,
+        "source_ids": tokenizer.encode(tf.constant(sentences[:16])).numpy().tolist(),
+    }
     completed = subprocess.run(
         [sys.executable, "-c", FRESH_PROCESS, str(exported[0] / "tiny" / "1")],
-        input=json.dumps(request), capture_output=True, text=True, cwd="/", env={
-            k: v for k, v in _env().items() if k != "PYTHONPATH"})
+        input=json.dumps(request),
+        capture_output=True,
+        text=True,
+        cwd="/",
+        env={k: v for k, v in _env().items() if k != "PYTHONPATH"},
+    )
     assert completed.returncode == 0, completed.stderr[-3000:]
     result = json.loads(completed.stdout)
     assert result["project_modules"] == []
@@ -153,8 +167,11 @@ def test_serving_graph_has_no_xla_and_only_ops_tf_serving_2_20_has(exported):
     function_names = {f.signature.name for f in functions}
     xla_attrs = ("_XlaMustCompile", "_XlaCompile", "_XlaScope", "_noinline_xla")
     marked = [f.signature.name for f in functions if f.attr["_XlaMustCompile"].b]
-    marked += [node.name for node in nodes if any(node.attr[a].b for a in xla_attrs if a in node.attr)
-               or node.op.startswith(("Xla", "_Xla"))]
+    marked += [
+        node.name
+        for node in nodes
+        if any(node.attr[a].b for a in xla_attrs if a in node.attr) or node.op.startswith(("Xla", "_Xla"))
+    ]
     assert marked == []
     inventory = json.loads(pathlib.Path(TF_TEXT_OPS).read_text(encoding="utf-8"))
     assert inventory["tensorflow_text"] == "2.20.0"
@@ -170,24 +187,40 @@ def test_serving_graph_has_no_xla_and_only_ops_tf_serving_2_20_has(exported):
 
 def test_saved_model_cli_shows_the_three_signatures(exported):
     tool = os.path.join(os.path.dirname(sys.executable), "saved_model_cli")
-    shown = subprocess.run([tool, "show", "--all", "--dir", str(exported[0] / "tiny" / "1")],
-                           capture_output=True, text=True, env=_env(), check=True).stdout
+    shown = subprocess.run(
+        [tool, "show", "--all", "--dir", str(exported[0] / "tiny" / "1")],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        check=True,
+    ).stdout
 
     def signature(name):
         match = re.search(rf"signature_def\['{name}'\]:(.*?)Method name is", shown, re.S)
         assert match, f"no signature {name} in:\n{shown}"
-        return {key: (dtype, shape) for key, dtype, shape in re.findall(
-            r"(?:inputs|outputs)\['(\w+)'\] tensor_info:\s+dtype: (\w+)\s+shape: (\([^)]*\))",
-            match.group(1))}
+        return {
+            key: (dtype, shape)
+            for key, dtype, shape in re.findall(
+                r"(?:inputs|outputs)\['(\w+)'\] tensor_info:\s+dtype: (\w+)\s+shape: (\([^)]*\))",
+                match.group(1),
+            )
+        }
 
     assert signature("serving_default") == {
-        "text": ("DT_STRING", "(-1)"), "translation": ("DT_STRING", "(-1)"), "score": ("DT_FLOAT", "(-1)")}
+        "text": ("DT_STRING", "(-1)"),
+        "translation": ("DT_STRING", "(-1)"),
+        "score": ("DT_FLOAT", "(-1)"),
+    }
     assert signature("translate_ids") == {
-        "source_ids": ("DT_INT32", "(-1, -1)"), "target_ids": ("DT_INT32", "(-1, -1)"),
-        "scores": ("DT_FLOAT", "(-1)")}
+        "source_ids": ("DT_INT32", "(-1, -1)"),
+        "target_ids": ("DT_INT32", "(-1, -1)"),
+        "scores": ("DT_FLOAT", "(-1)"),
+    }
     assert signature("score") == {
-        "source": ("DT_STRING", "(-1)"), "target": ("DT_STRING", "(-1)"),
-        "log_likelihood": ("DT_FLOAT", "(-1)")}
+        "source": ("DT_STRING", "(-1)"),
+        "target": ("DT_STRING", "(-1)"),
+        "log_likelihood": ("DT_FLOAT", "(-1)"),
+    }
 
 
 def _check_outputs(serving_default, texts):
@@ -201,15 +234,23 @@ def _check_outputs(serving_default, texts):
 
 
 def test_serving_default_survives_bad_input(serving_default):
-    bad = [b"", b"     ", b" \t\n\r ", ("word " * 2000).encode(), b"\xff\xfe caf\xc3 \x80", b"nul\x00 and \x07\x1b[31m",
-           "\U0001F600\U0001F680 \u65e5\u672c\u8a9e \u0627\u0644\u0639\u0631\u0628\u064a\u0629 "
-           "\u0928\u092e\u0938\u094d\u0924\u0947".encode(), "a\u0301\u200b\ufeff".encode()]
+    bad = [
+        b"",
+        b"     ",
+        b" \t\n\r ",
+        ("word " * 2000).encode(),
+        b"\xff\xfe caf\xc3 \x80",
+        b"nul\x00 and \x07\x1b[31m",
+        "\U0001f600\U0001f680 \u65e5\u672c\u8a9e \u0627\u0644\u0639\u0631\u0628\u064a\u0629 "
+        "\u0928\u092e\u0938\u094d\u0924\u0947".encode(),
+        "a\u0301\u200b\ufeff".encode(),
+    ]
     translations, _ = _check_outputs(serving_default, bad)
     assert translations[0] == translations[1]  # spaces only: the empty sentence (NFKC + strip)
     empty = serving_default(text=tf.constant([], tf.string))
     assert empty["translation"].shape == (0,) and empty["score"].shape == (0,)
     rng = np.random.default_rng(0)
-    words = ["the", "dog", "sees", "a", "cat", "\u00e9t\u00e9", "\U0001F600"]
+    words = ["the", "dog", "sees", "a", "cat", "\u00e9t\u00e9", "\U0001f600"]
     batch = [" ".join(rng.choice(words, size=rng.integers(0, 12))) for _ in range(512)]
     _check_outputs(serving_default, batch)
 
@@ -245,7 +286,7 @@ def test_random_unicode_never_raises_or_changes_batch_size(serving_default):
             chars.append(chr(rng.integers(low, high + 1)))
         strings.append("".join(chars).encode("utf-8", errors="surrogatepass"))
     for start in range(0, len(strings), 150):
-        _check_outputs(serving_default, strings[start:start + 150])
+        _check_outputs(serving_default, strings[start : start + 150])
 
 
 def test_score_signature_is_the_models_log_likelihood(exported, trained_run, synthetic_files):
@@ -284,8 +325,7 @@ def test_onnx_graphs_are_valid_with_dynamic_axes(exported):
             assert all(d.dim_param for d in first_input), stem  # batch and length are dynamic
     assert (onnx_dir / "tokenizer.model").is_file()
     metadata = json.loads((onnx_dir / "export.json").read_text())
-    assert set(metadata["graphs"]) == {"forward", "translate", "encoder", "decoder_step",
-                                       "translate_text"}
+    assert set(metadata["graphs"]) == {"forward", "translate", "encoder", "decoder_step", "translate_text"}
 
 
 def test_onnx_runtime_matches_keras(exported, trained_run, sentences, cli_translations):
@@ -316,12 +356,21 @@ def test_onnx_runtime_matches_keras(exported, trained_run, sentences, cli_transl
     encoded = dict(zip(names, encoded.run(None, {"source_ids": source_ids[:4]})))
     layers, config = len(model.decoder.stack_layers), model.config
     shape = (4, 10, config.num_heads, config.d_model // config.num_heads)
-    feed = {"token_ids": np.full(4, config.bos_id, np.int32), "step": np.array(0, np.int32),
-            "memory_mask": encoded["memory_mask"],
-            **{f"{kind}_{i}": np.zeros(shape, np.float32)
-               for kind in ("past_key", "past_value") for i in range(layers)},
-            **{f"{kind}_{i}": encoded[f"{kind}_{i}"]
-               for kind in ("cross_key", "cross_value") for i in range(layers)}}
+    feed = {
+        "token_ids": np.full(4, config.bos_id, np.int32),
+        "step": np.array(0, np.int32),
+        "memory_mask": encoded["memory_mask"],
+        **{
+            f"{kind}_{i}": np.zeros(shape, np.float32)
+            for kind in ("past_key", "past_value")
+            for i in range(layers)
+        },
+        **{
+            f"{kind}_{i}": encoded[f"{kind}_{i}"]
+            for kind in ("cross_key", "cross_value")
+            for i in range(layers)
+        },
+    }
     step = make_session(os.path.join(onnx_dir, "decoder_step.onnx"))
     onnx_logits = step.run(["logits"], feed)[0]
     from keras_transformer.masks import padding_mask
@@ -351,9 +400,24 @@ def test_killed_export_leaves_no_visible_version(exported, trained_run):
     serving = exported[0]
     before = _tree_digest(serving / "tiny" / "1")
     process = subprocess.Popen(
-        [sys.executable, "-m", "keras_transformer.cli", "export", "--model", str(trained_run),
-         "--format", "saved_model", "--out", str(serving), "--name", "tiny"],
-        env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            sys.executable,
+            "-m",
+            "keras_transformer.cli",
+            "export",
+            "--model",
+            str(trained_run),
+            "--format",
+            "saved_model",
+            "--out",
+            str(serving),
+            "--name",
+            "tiny",
+        ],
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 180
     while time.time() < deadline and process.poll() is None:
         partial = [e for e in os.listdir(serving / "tiny") if e.startswith(".partial-")]
@@ -374,8 +438,19 @@ def test_killed_export_leaves_no_visible_version(exported, trained_run):
 
 def test_existing_version_needs_overwrite(exported, trained_run, capsys):
     serving = exported[0]
-    arguments = ["export", "--model", str(trained_run), "--format", "saved_model",
-                 "--out", str(serving), "--name", "tiny", "--version", "1"]
+    arguments = [
+        "export",
+        "--model",
+        str(trained_run),
+        "--format",
+        "saved_model",
+        "--out",
+        str(serving),
+        "--name",
+        "tiny",
+        "--version",
+        "1",
+    ]
     assert cli.main(arguments) == 2
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and "already exists" in error[0] and "--overwrite" in error[0]

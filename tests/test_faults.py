@@ -24,8 +24,18 @@ from keras_transformer.preemption import EXIT_PREEMPTED, StopSignals
 from keras_transformer.trainer import TrainingOptions, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--preset", "tiny", "--vocab-size", "300", "--batch-tokens", "1024", "--warmup-steps", "50",
-        "--strategy", "default"]
+TINY = [
+    "--preset",
+    "tiny",
+    "--vocab-size",
+    "300",
+    "--batch-tokens",
+    "1024",
+    "--warmup-steps",
+    "50",
+    "--strategy",
+    "default",
+]
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +44,17 @@ def data(small_corpus):
 
 
 def _options(data, out, **extra):
-    values = dict(out=str(out), data=data, preset="tiny", vocab_size=300, batch_tokens=1024,
-                  warmup_steps=50, epochs=1, strategy="default", verbose=0)
+    values = dict(
+        out=str(out),
+        data=data,
+        preset="tiny",
+        vocab_size=300,
+        batch_tokens=1024,
+        warmup_steps=50,
+        epochs=1,
+        strategy="default",
+        verbose=0,
+    )
     values.update(extra)
     return TrainingOptions(**values)
 
@@ -64,17 +83,20 @@ def _weights(path):
 
 
 # ------------------------------------------------------------------ one writer per directory
-def test_second_writer_is_refused_with_the_holders_pid(trained_run, data, tmp_path, capsys,
-                                                       monkeypatch):
+def test_second_writer_is_refused_with_the_holders_pid(trained_run, data, tmp_path, capsys, monkeypatch):
     exports = tmp_path / "exports"
     with WriterLock(trained_run):  # this process's pid is the holder's
-        for command in (["train", "--data", data, "--out", str(trained_run), "--resume", *TINY],
-                        ["average", "--model", str(trained_run), "--last", "2"]):
+        for command in (
+            ["train", "--data", data, "--out", str(trained_run), "--resume", *TINY],
+            ["average", "--model", str(trained_run), "--last", "2"],
+        ):
             assert cli.main(command) == 2
             lines = _our_lines(capsys.readouterr().err)
-            assert lines == [f"keras-transformer: error: {trained_run} is being written by another "
-                             f"process (pid {os.getpid()}); wait for it to finish or stop it, or "
-                             f"choose another directory."], command
+            assert lines == [
+                f"keras-transformer: error: {trained_run} is being written by another "
+                f"process (pid {os.getpid()}); wait for it to finish or stop it, or "
+                f"choose another directory."
+            ], command
         # Readers keep working on the last complete files.
         monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"a b c\n"), encoding="utf-8"))
         assert cli.main(["translate", "--model", str(trained_run)]) == 0
@@ -83,8 +105,12 @@ def test_second_writer_is_refused_with_the_holders_pid(trained_run, data, tmp_pa
 
     for export_format, out in (("saved_model", exports), ("onnx", exports / "onnx")):
         with export_lock(export_format, out):
-            assert cli.main(["export", "--model", str(trained_run), "--format", export_format,
-                             "--out", str(out)]) == 2
+            assert (
+                cli.main(
+                    ["export", "--model", str(trained_run), "--format", export_format, "--out", str(out)]
+                )
+                == 2
+            )
             assert f"(pid {os.getpid()})" in _our_lines(capsys.readouterr().err)[0]
     assert not (exports / "onnx").exists() and not list(exports.glob("*/1"))
 
@@ -99,8 +125,9 @@ time.sleep(600)
 
 
 def test_a_killed_writer_leaves_no_stale_lock(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], stdout=subprocess.PIPE,
-                              text=True, env=_env())
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(tmp_path)], stdout=subprocess.PIPE, text=True, env=_env()
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(DirectoryBusy, match=f"pid {holder.pid}\\)"):
@@ -115,8 +142,7 @@ def test_a_killed_writer_leaves_no_stale_lock(tmp_path):
 
 
 # ------------------------------------------------------------------ a full disk
-def test_a_full_disk_stops_the_run_with_one_line_and_the_state_intact(data, tmp_path, monkeypatch,
-                                                                       capsys):
+def test_a_full_disk_stops_the_run_with_one_line_and_the_state_intact(data, tmp_path, monkeypatch, capsys):
     """ENOSPC injected into the second state save (the write path under HDF5's, see files.py)."""
     out = tmp_path / "run"
     real_fsync, saves = os.fsync, []
@@ -130,13 +156,15 @@ def test_a_full_disk_stops_the_run_with_one_line_and_the_state_intact(data, tmp_
         real_fsync(fd)
 
     monkeypatch.setattr(os, "fsync", fsync)
-    status = cli.main(["train", "--data", data, "--out", str(out), *TINY, "--epochs", "1",
-                       "--save-every-steps", "5"])
+    status = cli.main(
+        ["train", "--data", data, "--out", str(out), *TINY, "--epochs", "1", "--save-every-steps", "5"]
+    )
     monkeypatch.undo()
     assert status == 1
     lines = _our_lines(capsys.readouterr().err)
     assert len(lines) == 1 and lines[0].startswith(
-        f"keras-transformer: error: no space left on device while saving {out / 'state'}/state-")
+        f"keras-transformer: error: no space left on device while saving {out / 'state'}/state-"
+    )
     assert lines[0].endswith("; free space and run the same command with --resume.")
     assert _partial_files(out) == []
     (newest,) = state_snapshots(out / "state")  # the step-5 state, complete and loadable
@@ -163,9 +191,13 @@ def test_a_real_full_disk_exits_1_without_a_crash(data, tmp_path):
     prefix = ["unshare", "-m"] if os.geteuid() == 0 else ["unshare", "-rm"]
     script = FULL_DISK.format(tiny=" ".join(TINY))
     try:
-        completed = subprocess.run([*prefix, "sh", "-c", script, "sh", str(mount_point),
-                                    sys.executable, data, str(results)],
-                                   capture_output=True, text=True, env=_env(), timeout=600)
+        completed = subprocess.run(
+            [*prefix, "sh", "-c", script, "sh", str(mount_point), sys.executable, data, str(results)],
+            capture_output=True,
+            text=True,
+            env=_env(),
+            timeout=600,
+        )
     except FileNotFoundError:
         pytest.skip("no unshare(1) here")
     if completed.returncode == 97 or not (results / "status").exists():
@@ -206,8 +238,8 @@ def _tiny_model(run):
 @pytest.fixture(scope="module")
 def finished_run(data, tmp_path_factory):
     """One uninterrupted epoch, state saved every 4 steps: the end-of-epoch state (1, 0), the one
-    before it (0, 4k) and checkpoint epoch-0001. The reference of the preemption test and the base of the corrupt-file
-    tests (which damage copies)."""
+    before it (0, 4k) and checkpoint epoch-0001. The reference of the preemption test and the base of
+    the corrupt-file tests (which damage copies)."""
     out = tmp_path_factory.mktemp("finished") / "run"
     assert train(_options(data, out, save_every_steps=4), log=_quiet).status == "finished"
     return out
@@ -215,6 +247,7 @@ def finished_run(data, tmp_path_factory):
 
 def _signal_when(predicate, number, seconds=300):
     """Sends `number` to this process (from another thread, as a scheduler would) once `predicate()`."""
+
     def watch():
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
@@ -228,14 +261,24 @@ def _signal_when(predicate, number, seconds=300):
     return thread
 
 
-def test_sigterm_mid_epoch_then_resume_equals_an_uninterrupted_run(data, finished_run, tmp_path,
-                                                                   capsys):
+def test_sigterm_mid_epoch_then_resume_equals_an_uninterrupted_run(data, finished_run, tmp_path, capsys):
     """SIGTERM while `keras-transformer train` runs: exit 75 with the state saved at a step
     boundary; the same command with --resume ends with the uninterrupted run's weights (to 1e-6;
     dropout is on, its RNG state is resumed too), optimizer step count and validation metrics."""
     out = tmp_path / "run"
-    command = ["train", "--data", data, "--out", str(out), *TINY, "--epochs", "1",
-               "--save-every-steps", "4", "--resume"]
+    command = [
+        "train",
+        "--data",
+        data,
+        "--out",
+        str(out),
+        *TINY,
+        "--epochs",
+        "1",
+        "--save-every-steps",
+        "4",
+        "--resume",
+    ]
 
     def mid_epoch():
         try:
@@ -265,8 +308,7 @@ def test_sigterm_mid_epoch_then_resume_equals_an_uninterrupted_run(data, finishe
     assert f"epoch 1, step {step}." in capsys.readouterr().out
     for ours, theirs in zip(_weights(out / "model.keras"), _weights(finished_run / "model.keras")):
         np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-6)
-    ours, theirs = (json.loads((d / "metrics.json").read_text())["epochs"][-1]
-                    for d in (out, finished_run))
+    ours, theirs = (json.loads((d / "metrics.json").read_text())["epochs"][-1] for d in (out, finished_run))
     assert ours["resumed_at_step"] == step and ours["optimizer_steps"] == theirs["optimizer_steps"]
     for key in ("val_loss", "val_token_accuracy"):  # the training loss covers the resumed part only
         assert ours[key] == pytest.approx(theirs[key], rel=1e-5), key
@@ -280,7 +322,8 @@ def test_sigint_is_a_stop_request_and_a_second_one_interrupts():
             signal.raise_signal(signal.SIGINT)
             assert signals.requested == "SIGINT" and lines == [
                 "Received SIGINT: stopping after the current step and saving the state (send it "
-                "again to stop at once)."]
+                "again to stop at once)."
+            ]
             with pytest.raises(KeyboardInterrupt):  # Python's own SIGINT handler again
                 signal.raise_signal(signal.SIGINT)
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
@@ -308,22 +351,31 @@ def _damage(path, how):
         path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("damage, expected_warnings, resumed_at", [
-    # The epoch-1 checkpoint is as new as the end-of-epoch state.
-    ({"newest": "truncate"}, ["checksum mismatch"], "epoch 2, step 0."),
-    # state.json lost: the states are found by their names (no checksum, so the load tells).
-    ({"state.json": "empty", "newest": "truncate", "checkpoint": "empty"},
-     ["does not load", "empty (0 bytes)"], "the previous state"),
-])
-def test_resume_skips_a_corrupt_state_with_one_line(finished_run, data, tmp_path, damage,
-                                                    expected_warnings, resumed_at):
+@pytest.mark.parametrize(
+    "damage, expected_warnings, resumed_at",
+    [
+        # The epoch-1 checkpoint is as new as the end-of-epoch state.
+        ({"newest": "truncate"}, ["checksum mismatch"], "epoch 2, step 0."),
+        # state.json lost: the states are found by their names (no checksum, so the load tells).
+        (
+            {"state.json": "empty", "newest": "truncate", "checkpoint": "empty"},
+            ["does not load", "empty (0 bytes)"],
+            "the previous state",
+        ),
+    ],
+)
+def test_resume_skips_a_corrupt_state_with_one_line(
+    finished_run, data, tmp_path, damage, expected_warnings, resumed_at
+):
     out = tmp_path / "run"
     shutil.copytree(finished_run, out)
     state = json.loads((out / "state" / "state.json").read_text())
-    files = {"newest": out / "state" / state["weights"],
-             "previous": out / "state" / state["previous"]["weights"],
-             "state.json": out / "state" / "state.json",
-             "checkpoint": out / "checkpoints" / "epoch-0001.weights.h5"}
+    files = {
+        "newest": out / "state" / state["weights"],
+        "previous": out / "state" / state["previous"]["weights"],
+        "state.json": out / "state" / "state.json",
+        "checkpoint": out / "checkpoints" / "epoch-0001.weights.h5",
+    }
     for name, how in damage.items():
         _damage(files[name], how)
     lines = []
@@ -346,8 +398,9 @@ def test_average_refuses_a_corrupt_checkpoint(trained_run, tmp_path, capsys, how
     _damage(run / "checkpoints" / "epoch-0002.weights.h5", how)
     assert cli.main(["average", "--model", str(run), "--last", "3"]) == 2
     (line,) = _our_lines(capsys.readouterr().err)
-    assert line.startswith(f"keras-transformer: error: {run / 'checkpoints' / 'epoch-0002.weights.h5'}"
-                           f" is corrupt (")
+    assert line.startswith(
+        f"keras-transformer: error: {run / 'checkpoints' / 'epoch-0002.weights.h5'} is corrupt ("
+    )
     assert not (run / "averaged.keras").exists()
 
 
@@ -355,8 +408,7 @@ def test_export_refuses_a_corrupt_model(trained_run, tmp_path, capsys):
     run = tmp_path / "run"
     shutil.copytree(trained_run, run)
     _damage(run / "model.keras", "truncate")
-    assert cli.main(["export", "--model", str(run), "--format", "onnx", "--out",
-                     str(tmp_path / "onnx")]) == 2
+    assert cli.main(["export", "--model", str(run), "--format", "onnx", "--out", str(tmp_path / "onnx")]) == 2
     (line,) = _our_lines(capsys.readouterr().err)
     assert line.startswith(f"keras-transformer: error: {run / 'model.keras'} cannot be loaded (")
     assert not (tmp_path / "onnx").exists()

@@ -58,8 +58,7 @@ def test_loss_gradient_is_softmax_minus_smoothed_target(epsilon, jit_compile):
 
     value, gradient = value_and_gradient(tf.constant(logits))
     np.testing.assert_allclose(float(value), _reference_loss(labels, logits, epsilon), rtol=1e-5)
-    np.testing.assert_allclose(gradient.numpy(), _reference_gradient(labels, logits, epsilon),
-                               atol=1e-7)
+    np.testing.assert_allclose(gradient.numpy(), _reference_gradient(labels, logits, epsilon), atol=1e-7)
 
 
 def test_padding_logits_do_not_matter():
@@ -136,13 +135,13 @@ def test_projected_loss_equals_projecting_then_the_loss(with_bias, jit_compile):
     def reference(hidden, kernel, bias):
         logits = tf.matmul(hidden, kernel, transpose_b=True) + (0.0 if bias is None else bias)
         losses = kt.losses.smoothed_cross_entropy(labels, logits, 0.1)
-        hits = tf.cast(tf.gather(logits, labels, batch_dims=1) >= tf.reduce_max(logits, -1),
-                       "float32")
+        hits = tf.cast(tf.gather(logits, labels, batch_dims=1) >= tf.reduce_max(logits, -1), "float32")
         return tf.reduce_sum(losses * weights), tf.reduce_sum(hits * weights)
 
     def projected(hidden, kernel, bias):
         return kt.losses.projected_smoothed_cross_entropy(
-            hidden, kernel, labels, weights, 0.1, bias=bias, chunk_size=4)
+            hidden, kernel, labels, weights, 0.1, bias=bias, chunk_size=4
+        )
 
     results = []
     for function in (reference, projected):
@@ -174,7 +173,8 @@ def test_projected_loss_of_only_padding_is_zero_with_zero_gradients():
     with tf.GradientTape() as tape:
         tape.watch([hidden, kernel])
         total, correct = kt.losses.projected_smoothed_cross_entropy(
-            hidden, kernel, labels, np.zeros(len(labels), "float32"), 0.1, chunk_size=4)
+            hidden, kernel, labels, np.zeros(len(labels), "float32"), 0.1, chunk_size=4
+        )
     gradients = tape.gradient(total, [hidden, kernel])
     assert float(total) == 0.0 and float(correct) == 0.0
     assert all(float(tf.reduce_max(tf.abs(gradient))) == 0.0 for gradient in gradients)
@@ -199,8 +199,10 @@ def test_loss_from_decoder_output_matches_the_loss_on_logits():
 
 def test_noam_schedule_follows_section_5_3():
     schedule = kt.NoamSchedule(d_model=512, warmup_steps=4000)
+
     def paper(step):
         return 512**-0.5 * min(step**-0.5, step * 4000**-1.5)
+
     for iterations in (0, 1, 99, 3999, 4000, 15999, 99999):
         assert float(schedule(iterations)) == pytest.approx(paper(iterations + 1), rel=1e-5)
     assert float(schedule(15999)) == pytest.approx(float(schedule(3999)) / 2, rel=1e-4)

@@ -68,7 +68,8 @@ def test_weights_copied_to_and_from_keras_give_same_outputs(mode, direction):
     target.set_weights(source.get_weights())
     np.testing.assert_allclose(
         ours(query, value, attention_mask=mask),
-        theirs(query, value, attention_mask=mask), atol=1e-5,
+        theirs(query, value, attention_mask=mask),
+        atol=1e-5,
     )
 
 

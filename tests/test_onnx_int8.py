@@ -12,8 +12,14 @@ import onnxruntime
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from export.graph_rewrites import (all_graphs, collapse_tensordots, count_nodes, fuse_layer_norms,
-                                   hoist_loop_invariants)
+from export.graph_rewrites import (
+    all_graphs,
+    collapse_tensordots,
+    count_nodes,
+    fuse_layer_norms,
+    hoist_loop_invariants,
+    select_with_where,
+)
 from export.onnx_runtime import OnnxTranslator
 from export.quantization import BleuGate, QuantizationRefused, count_quantized
 from keras_transformer import cli
@@ -23,25 +29,38 @@ def _loop_model():
     """y = x @ reshape(w) applied `n` times in a `Loop` that carries `w` unchanged (as tf2onnx does)."""
     weight = np.arange(16, dtype=np.float32).reshape(2, 8) / 16.0
     body = helper.make_graph(
-        [helper.make_node("Reshape", ["w_in", "shape"], ["w_square"]),
-         helper.make_node("MatMul", ["x_in", "w_square"], ["x_out"]),
-         helper.make_node("Identity", ["cond_in"], ["cond_out"])],
+        [
+            helper.make_node("Reshape", ["w_in", "shape"], ["w_square"]),
+            helper.make_node("MatMul", ["x_in", "w_square"], ["x_out"]),
+            helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+        ],
         "body",
-        [helper.make_tensor_value_info("i", TensorProto.INT64, []),
-         helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
-         helper.make_tensor_value_info("x_in", TensorProto.FLOAT, [1, 4]),
-         helper.make_tensor_value_info("w_in", TensorProto.FLOAT, [2, 8])],
-        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
-         helper.make_tensor_value_info("x_out", TensorProto.FLOAT, [1, 4]),
-         helper.make_tensor_value_info("w_in", TensorProto.FLOAT, [2, 8])],
-        initializer=[numpy_helper.from_array(np.array([4, 4], np.int64), "shape")])
+        [
+            helper.make_tensor_value_info("i", TensorProto.INT64, []),
+            helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("x_in", TensorProto.FLOAT, [1, 4]),
+            helper.make_tensor_value_info("w_in", TensorProto.FLOAT, [2, 8]),
+        ],
+        [
+            helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+            helper.make_tensor_value_info("x_out", TensorProto.FLOAT, [1, 4]),
+            helper.make_tensor_value_info("w_in", TensorProto.FLOAT, [2, 8]),
+        ],
+        initializer=[numpy_helper.from_array(np.array([4, 4], np.int64), "shape")],
+    )
     graph = helper.make_graph(
-        [helper.make_node("Loop", ["n", "", "x", "w"], ["x_final", "w_final"], body=body),
-         helper.make_node("Identity", ["x_final"], ["y"])],
-        "loop", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4]),
-                 helper.make_tensor_value_info("n", TensorProto.INT64, [])],
+        [
+            helper.make_node("Loop", ["n", "", "x", "w"], ["x_final", "w_final"], body=body),
+            helper.make_node("Identity", ["x_final"], ["y"]),
+        ],
+        "loop",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4]),
+            helper.make_tensor_value_info("n", TensorProto.INT64, []),
+        ],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
-        initializer=[numpy_helper.from_array(weight, "w")])
+        initializer=[numpy_helper.from_array(weight, "w")],
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
@@ -68,8 +87,12 @@ def test_hoisting_reads_weights_from_outside_the_loop_and_keeps_the_results():
 
 # `export.onnx.convert` (tf2onnx) is tested by tests/test_export.py; here it returns the graphs
 # that test's float32 export wrote, so that these tests pay for quantization and the gate only.
-CONVERTED = {"forward": "forward", "translate_ids": "translate", "encode": "encoder",
-             "decoder_step": "decoder_step"}
+CONVERTED = {
+    "forward": "forward",
+    "translate_ids": "translate",
+    "encode": "encoder",
+    "decoder_step": "decoder_step",
+}
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +115,22 @@ def converted(exported):
 def int8_export(trained_run, converted, tmp_path_factory):
     """`export --format onnx --quantization int8` of the tiny run (the gate on its 40 held-out pairs)."""
     out = tmp_path_factory.mktemp("int8") / "onnx-int8"
-    assert cli.main(["export", "--model", str(trained_run), "--format", "onnx", "--quantize", "int8",
-                     "--out", str(out)]) == 0
+    assert (
+        cli.main(
+            [
+                "export",
+                "--model",
+                str(trained_run),
+                "--format",
+                "onnx",
+                "--quantize",
+                "int8",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     return out
 
 
@@ -145,8 +182,11 @@ def test_gate_refuses_a_large_drop_unless_forced(int8_export, converted, tmp_pat
     # int8 model falls far below it (the 3-epoch tiny model is too weak for real references).
     references = OnnxTranslator(str(converted), "full").translate(sources)[0]
     gate = BleuGate(sources, references, max_drop=1.0)
-    with pytest.raises(QuantizationRefused, match=r"int8 loses .* BLEU on 40 validation pairs "
-                                                  r"\(float32 100.00, .*nothing written"):
+    with pytest.raises(
+        QuantizationRefused,
+        match=r"int8 loses .* BLEU on 40 validation pairs "
+        r"\(float32 100.00, .*nothing written",
+    ):
         gate(str(converted), str(broken))
     report = BleuGate(sources, references, max_drop=1.0, force=True)(str(converted), str(broken))
     assert report["forced"] and not report["passed"] and report["bleu_drop"] > 1.0
@@ -159,8 +199,24 @@ def test_refused_int8_export_writes_nothing(trained_run, converted, tmp_path, mo
 
     monkeypatch.setattr(BleuGate, "__call__", refuse)
     out = tmp_path / "int8"
-    assert cli.main(["export", "--model", str(trained_run), "--format", "onnx", "--quantization",
-                     "int8", "--max-bleu-drop", "0.5", "--out", str(out)]) == 2
+    assert (
+        cli.main(
+            [
+                "export",
+                "--model",
+                str(trained_run),
+                "--format",
+                "onnx",
+                "--quantization",
+                "int8",
+                "--max-bleu-drop",
+                "0.5",
+                "--out",
+                str(out),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "int8 loses 9.99 BLEU" in err and "Traceback" not in err
     assert not out.exists() and not [p for p in tmp_path.iterdir() if not p.name.endswith(".lock")]
@@ -179,10 +235,17 @@ def _tensordot_model():
         helper.make_node("Reshape", ["y_flat", "out_shape"], ["y"]),
     ]
     graph = helper.make_graph(
-        nodes, "tensordot", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "t", 4])],
+        nodes,
+        "tensordot",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "t", 4])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", "t", 3])],
-        initializer=[numpy_helper.from_array(weight, "w"), constant("free", [0, 1]),
-                     constant("width", [3]), constant("flat", [-1, 4])])
+        initializer=[
+            numpy_helper.from_array(weight, "w"),
+            constant("free", [0, 1]),
+            constant("width", [3]),
+            constant("flat", [-1, 4]),
+        ],
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
@@ -220,10 +283,16 @@ def _traced_layer_norm_model(width=6, epsilon=1e-6):
         helper.make_node("Add", ["x_scaled", "shift"], ["y"]),
     ]
     graph = helper.make_graph(
-        nodes, "layer_norm", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, None, width])],
+        nodes,
+        "layer_norm",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None, None, width])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None, None, width])],
-        initializer=[numpy_helper.from_array(np.array(epsilon, np.float32), "epsilon"),
-                     numpy_helper.from_array(gamma, "gamma"), numpy_helper.from_array(beta, "beta")])
+        initializer=[
+            numpy_helper.from_array(np.array(epsilon, np.float32), "epsilon"),
+            numpy_helper.from_array(gamma, "gamma"),
+            numpy_helper.from_array(beta, "beta"),
+        ],
+    )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
@@ -235,7 +304,8 @@ def test_a_traced_layer_norm_becomes_one_node_with_the_same_result():
     assert [node.op_type for node in fused.graph.node] == ["LayerNormalization"]
     node = fused.graph.node[0]
     assert {a.name: helper.get_attribute_value(a) for a in node.attribute} == pytest.approx(
-        {"axis": -1, "epsilon": 1e-6})
+        {"axis": -1, "epsilon": 1e-6}
+    )
     np.testing.assert_allclose(_run(fused, x=x), before, rtol=1e-5, atol=1e-5)
     # A chain with a value read elsewhere (here the variance is also a graph output) is left alone.
     shared = _traced_layer_norm_model()
@@ -251,3 +321,53 @@ def test_exported_graphs_have_every_layer_norm_fused(exported):
         ops = [node.op_type for graph in all_graphs(model.graph) for node in graph.node]
         assert ops.count("LayerNormalization") == count, name
         assert "GlobalAveragePool" not in ops, name
+
+
+def _blend_model(swap=False):
+    """`tf.where(c, p, q)` as tf2onnx converts it: `p * Cast(c) + q * Cast(Not(c))`."""
+    nodes = [
+        helper.make_node("Cast", ["c"], ["c_float"], to=TensorProto.FLOAT),
+        helper.make_node("Not", ["c"], ["not_c"]),
+        helper.make_node("Cast", ["not_c"], ["not_c_float"], to=TensorProto.FLOAT),
+        helper.make_node("Mul", ["p", "c_float"] if not swap else ["c_float", "p"], ["kept"]),
+        helper.make_node("Mul", ["q", "not_c_float"], ["dropped"]),
+        helper.make_node("Add", ["kept", "dropped"] if not swap else ["dropped", "kept"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "blend",
+        [
+            helper.make_tensor_value_info("c", TensorProto.BOOL, [1, 3]),
+            helper.make_tensor_value_info("p", TensorProto.FLOAT, [2, 3]),
+            helper.make_tensor_value_info("q", TensorProto.FLOAT, [2, 3]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_a_where_blend_becomes_one_where_with_tensorflows_semantics(swap):
+    c = np.array([[True, False, True]])
+    # Infinite values where the condition does not pick them (as masked attention scores are).
+    p = np.array([[1.0, np.inf, 3.0], [4.0, 5.0, 6.0]], np.float32)
+    q = np.array([[-1.0, -2.0, -np.inf], [-4.0, -5.0, -6.0]], np.float32)
+    blended = _run(_blend_model(swap), c=c, p=p, q=q)
+    assert np.isnan(blended[0, 1]) and np.isnan(blended[0, 2])  # 0 * inf: the blend's flaw
+    rewritten = select_with_where(_blend_model(swap))
+    onnx.checker.check_model(rewritten, full_check=True)
+    assert [(node.op_type, list(node.input)) for node in rewritten.graph.node] == [("Where", ["c", "p", "q"])]
+    np.testing.assert_array_equal(_run(rewritten, c=c, p=p, q=q), np.where(c, p, q))  # tf.where's values
+    # A product that is read twice is not a blend's private term: left alone.
+    shared = _blend_model(swap)
+    shared.graph.output.append(helper.make_tensor_value_info("kept", TensorProto.FLOAT, None))
+    assert len(select_with_where(shared).graph.node) == 6
+
+
+def test_exported_graphs_have_no_where_blend_left(exported):
+    for name in ("encoder", "decoder_step", "forward", "translate"):
+        model = onnx.load(str(exported[1] / f"{name}.onnx"))
+        ops = [node.op_type for graph in all_graphs(model.graph) for node in graph.node]
+        assert "Where" in ops, name
+        before = count_nodes(model)
+        assert count_nodes(select_with_where(model)) == before, name

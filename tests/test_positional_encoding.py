@@ -10,8 +10,10 @@ def test_table_equals_the_paper_formula_at_hand_computed_positions():
     table = kt.sinusoidal_table(100, d_model)
     # PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d))
     hand = {
-        (0, 0): 0.0, (0, 1): 1.0,
-        (1, 0): math.sin(1.0), (1, 1): math.cos(1.0),
+        (0, 0): 0.0,
+        (0, 1): 1.0,
+        (1, 0): math.sin(1.0),
+        (1, 1): math.cos(1.0),
         (7, 10): math.sin(7 / 10000 ** (10 / 512)),
         (7, 11): math.cos(7 / 10000 ** (10 / 512)),
         (99, 510): math.sin(99 / 10000 ** (510 / 512)),

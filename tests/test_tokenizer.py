@@ -21,8 +21,13 @@ def multi30k_tokenizer(multi30k_dir):
 def tokenizer():
     """Trained on the built-in synthetic corpus (always available) plus a little English."""
     sources, targets = kt.load_corpus("synthetic")["train"]
-    english = ["A man is sleeping.", "Two young, White males are outside near many bushes.",
-               "A little girl climbing into a wooden playhouse.", "A dog runs.", "A cat."] * 20
+    english = [
+        "A man is sleeping.",
+        "Two young, White males are outside near many bushes.",
+        "A little girl climbing into a wooden playhouse.",
+        "A dog runs.",
+        "A cat.",
+    ] * 20
     return Tokenizer.train(sources + targets + english, vocab_size=1000)
 
 
@@ -55,19 +60,28 @@ def test_encode_pads_appends_eos_and_truncates(tokenizer):
     ids = np.asarray(ids)
     assert ids.dtype == np.int32 and ids.shape[0] == 2
     short = ids[0][ids[0] != 0]
-    assert short[-1] == 3 and np.all(ids[0][len(short):] == 0)
+    assert short[-1] == 3 and np.all(ids[0][len(short) :] == 0)
     clipped = np.asarray(tokenizer.encode(["Two young, White males are outside."], max_length=4))
     assert clipped.shape == (1, 4) and clipped[0, -1] == 3
 
 
 def test_decode_stops_at_the_first_eos(tokenizer):
     ids = np.asarray(tokenizer.encode(["A dog runs.", "A cat."]))
-    joined = np.concatenate([ids[:1, :ids[0].tolist().index(3) + 1], ids[1:, :3]], axis=1)
+    joined = np.concatenate([ids[:1, : ids[0].tolist().index(3) + 1], ids[1:, :3]], axis=1)
     assert tokenizer.decode(joined).numpy()[0].decode() == "A dog runs."
 
 
-@pytest.mark.parametrize("text", ["emoji 😀 ok", "日本語のテキスト", "tab\tinside", "a\x00b",
-                                  "\u00a0non-breaking  spaces  ", "ﬁ ligature"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "emoji 😀 ok",
+        "日本語のテキスト",
+        "tab\tinside",
+        "a\x00b",
+        "\u00a0non-breaking  spaces  ",
+        "ﬁ ligature",
+    ],
+)
 def test_text_outside_the_vocabulary_round_trips(tokenizer, text):
     back = tokenizer.decode(tokenizer.encode([text])).numpy()[0].decode()
     assert back == Tokenizer.normalize(text)
@@ -99,7 +113,9 @@ def test_survives_reseeding_tensorflow(tokenizer):
 
 
 def test_vocabulary_too_small_for_the_characters_is_reported():
-    with pytest.raises(ValueError, match=r"vocab_size=100 is too small for this corpus: it needs at least \d+"):
+    with pytest.raises(
+        ValueError, match=r"vocab_size=100 is too small for this corpus: it needs at least \d+"
+    ):
         Tokenizer.train(["abcdefghij klmnopqrst"] * 10, vocab_size=100)
 
 
@@ -114,8 +130,13 @@ def test_default_vocabulary_is_capped_to_the_built_in_corpus_but_an_explicit_one
     pairs, _ = _train_and_validation(load_corpus("synthetic", None, "en", "de"), lines.append)
     tokenizer = _train_tokenizer(pairs, None, lines.append)
     assert 8 <= tokenizer.vocab_size < 8000
-    assert lines[-1] == (f"Vocabulary: {tokenizer.vocab_size} pieces, the most this corpus supports "
-                         f"(the default is 8000; --vocab-size sets it).")
-    with pytest.raises(UserError, match=r"^vocab_size=8000 is too large for this corpus: "
-                                        rf"SentencePiece can build at most {tokenizer.vocab_size} "):
+    assert lines[-1] == (
+        f"Vocabulary: {tokenizer.vocab_size} pieces, the most this corpus supports "
+        f"(the default is 8000; --vocab-size sets it)."
+    )
+    with pytest.raises(
+        UserError,
+        match=r"^vocab_size=8000 is too large for this corpus: "
+        rf"SentencePiece can build at most {tokenizer.vocab_size} ",
+    ):
         _train_tokenizer(pairs, 8000, lines.append)

@@ -24,8 +24,20 @@ def corpus_files(small_corpus):
 
 
 def _command(data, out, *extra):
-    return [sys.executable, "-m", "keras_transformer.cli", "train", "--data", data, "--out", str(out),
-            *TINY, "--strategy", "default", *extra]
+    return [
+        sys.executable,
+        "-m",
+        "keras_transformer.cli",
+        "train",
+        "--data",
+        data,
+        "--out",
+        str(out),
+        *TINY,
+        "--strategy",
+        "default",
+        *extra,
+    ]
 
 
 def _environment(**extra):
@@ -58,8 +70,7 @@ def test_sigkill_mid_epoch_then_same_command_resumes_and_finishes(corpus_files, 
             return False
         return state["epoch"] == 0 and state["step"] >= 6
 
-    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             env=_environment())
+    first = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=_environment())
     try:
         assert _wait_for(mid_first_epoch, first, 600), first.communicate()[0].decode()[-3000:]
         os.kill(first.pid, signal.SIGKILL)
@@ -105,9 +116,17 @@ class _PoisonWeights(keras.callbacks.Callback):
 
 def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(corpus_files, tmp_path):
     out = tmp_path / "run"
-    options = TrainingOptions(out=str(out), data=corpus_files, preset="tiny", vocab_size=300,
-                              batch_tokens=512, warmup_steps=50, epochs=4, strategy="default",
-                              verbose=0)
+    options = TrainingOptions(
+        out=str(out),
+        data=corpus_files,
+        preset="tiny",
+        vocab_size=300,
+        batch_tokens=512,
+        warmup_steps=50,
+        epochs=4,
+        strategy="default",
+        verbose=0,
+    )
     result = train(options, callbacks=[_PoisonWeights(epoch=1, batch=3)], log=lambda *_: None)
     assert result.status == "stopped: non-finite loss at epoch 2, step 4"
     assert sorted(os.listdir(out / "checkpoints")) == ["epoch-0001.weights.h5", "manifest.json"]
@@ -140,8 +159,14 @@ def test_two_workers_on_localhost_train_to_identical_weights(corpus_files, tmp_p
         tf_config = json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}})
         command = _command(corpus_files, tmp_path / f"worker{index}", "--epochs", "1")
         command[command.index("default")] = "multi-worker"
-        processes.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                          env=_environment(TF_CONFIG=tf_config)))
+        processes.append(
+            subprocess.Popen(
+                command,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env=_environment(TF_CONFIG=tf_config),
+            )
+        )
     outputs = []
     try:
         for process in processes:
@@ -155,23 +180,37 @@ def test_two_workers_on_localhost_train_to_identical_weights(corpus_files, tmp_p
         assert "2 replica(s), --strategy multi-worker" in output
     import keras_transformer as kt  # noqa: F401
 
-    models = [keras.saving.load_model(str(tmp_path / f"worker{i}" / "model.keras"), compile=False)
-              for i in range(2)]
+    models = [
+        keras.saving.load_model(str(tmp_path / f"worker{i}" / "model.keras"), compile=False) for i in range(2)
+    ]
     for first, second in zip(models[0].weights, models[1].weights):
         np.testing.assert_array_equal(np.asarray(first), np.asarray(second))
     metrics = [json.loads((tmp_path / f"worker{i}" / "metrics.json").read_text()) for i in range(2)]
     assert metrics[0]["epochs"][0]["loss"] == pytest.approx(metrics[1]["epochs"][0]["loss"])
 
 
-@pytest.mark.parametrize("extra, updates_per_batch", [
-    (dict(grad_accum=2), 0.5),                       # one update per two batches
-    (dict(mixed_precision=True), 1.0),               # bfloat16 compute on CPU
-])
-def test_grad_accum_and_mixed_precision_train_through_the_trainer(corpus_files, tmp_path, extra,
-                                                                       updates_per_batch):
-    options = TrainingOptions(out=str(tmp_path / "run"), data=corpus_files, preset="tiny",
-                              vocab_size=300, batch_tokens=512, warmup_steps=50, epochs=1,
-                              strategy="default", verbose=0, **extra)
+@pytest.mark.parametrize(
+    "extra, updates_per_batch",
+    [
+        (dict(grad_accum=2), 0.5),  # one update per two batches
+        (dict(mixed_precision=True), 1.0),  # bfloat16 compute on CPU
+    ],
+)
+def test_grad_accum_and_mixed_precision_train_through_the_trainer(
+    corpus_files, tmp_path, extra, updates_per_batch
+):
+    options = TrainingOptions(
+        out=str(tmp_path / "run"),
+        data=corpus_files,
+        preset="tiny",
+        vocab_size=300,
+        batch_tokens=512,
+        warmup_steps=50,
+        epochs=1,
+        strategy="default",
+        verbose=0,
+        **extra,
+    )
     result = train(options, log=lambda *_: None)
     assert result.status == "finished"
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())

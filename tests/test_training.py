@@ -61,19 +61,20 @@ def test_mirrored_strategy_step_equals_single_device_step():
 
 
 def _train_steps(fused, jit_compile=False, tie_output=True, metrics=None, sample_weight=None):
-    config = kt.TransformerConfig.from_preset("tiny", vocab_size=30, dropout_rate=0.0,
-                                              tie_output=tie_output)
+    config = kt.TransformerConfig.from_preset("tiny", vocab_size=30, dropout_rate=0.0, tie_output=tie_output)
     inputs, labels = kt.sequence_task("reverse", 16, 30, max_length=8, seed=4)
     keras.utils.set_random_seed(5)
     model = kt.Transformer(config, name="transformer")
     model.build()
     kt.compile_transformer(model, optimizer=keras.optimizers.SGD(0.5), jit_compile=jit_compile)
     if metrics is not None:
-        model.compile(optimizer=keras.optimizers.SGD(0.5), loss=model.loss, metrics=metrics,
-                      jit_compile=jit_compile)
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.5), loss=model.loss, metrics=metrics, jit_compile=jit_compile
+        )
     model.fused_output_loss = fused
-    steps = [model.train_on_batch(inputs, labels, sample_weight=sample_weight, return_dict=True)
-             for _ in range(2)]
+    steps = [
+        model.train_on_batch(inputs, labels, sample_weight=sample_weight, return_dict=True) for _ in range(2)
+    ]
     weights = {weight.path: np.asarray(weight) for weight in model.weights}
     return model, steps, weights
 
@@ -114,4 +115,3 @@ def test_peak_learning_rate_and_gradient_clipping_reach_the_optimizer():
     assert rates[1] == pytest.approx(2.5e-3, rel=1e-6)  # linear warmup
     assert rates[3] == pytest.approx(2.5e-3, rel=1e-6)  # 1/sqrt(step) after it
     assert rates[0] < rates[1] < rates[2]
-

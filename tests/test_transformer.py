@@ -29,19 +29,20 @@ def _seed_states(model):
 @pytest.mark.parametrize("training", [False, True])
 @pytest.mark.parametrize("mode", kt.ATTENTION_MODES)
 def test_no_future_leakage(training, mode):
-    model = _model(attention_mode=mode, dropout_rate=0.3, attention_dropout_rate=0.3,
-                   activation_dropout_rate=0.3)
+    model = _model(
+        attention_mode=mode, dropout_rate=0.3, attention_dropout_rate=0.3, activation_dropout_rate=0.3
+    )
     inputs = _batch()
     seed_states = [np.asarray(v) for v in _seed_states(model)]
     logits = np.asarray(model(inputs, training=training))
     for t in range(inputs["target_ids"].shape[1] - 1):
         changed = {**inputs, "target_ids": inputs["target_ids"].copy()}
-        changed["target_ids"][:, t + 1:] = (changed["target_ids"][:, t + 1:] + 7) % (VOCAB - 4) + 4
+        changed["target_ids"][:, t + 1 :] = (changed["target_ids"][:, t + 1 :] + 7) % (VOCAB - 4) + 4
         for variable, state in zip(_seed_states(model), seed_states):
             variable.assign(state)  # the same dropout masks as the first call
         changed_logits = np.asarray(model(changed, training=training))
         np.testing.assert_allclose(changed_logits[:, : t + 1], logits[:, : t + 1], atol=1e-5)
-        assert not np.allclose(changed_logits[:, t + 1:], logits[:, t + 1:])  # the test can fail
+        assert not np.allclose(changed_logits[:, t + 1 :], logits[:, t + 1 :])  # the test can fail
 
 
 def test_dropout_is_really_active_in_training():
@@ -60,11 +61,15 @@ def test_attention_weights_on_future_and_padded_positions_are_exactly_zero():
     future = np.triu(np.ones((6, 6), bool), k=1)
     for layer_weights in weights["encoder_self"] + weights["decoder_cross"]:
         layer_weights = np.asarray(layer_weights)  # (batch, heads, len_q, len_src)
-        assert np.all(layer_weights[~np.broadcast_to(source_real[:, None, None, :], layer_weights.shape)] == 0)
+        assert np.all(
+            layer_weights[~np.broadcast_to(source_real[:, None, None, :], layer_weights.shape)] == 0
+        )
     for layer_weights in weights["decoder_self"]:
         layer_weights = np.asarray(layer_weights)  # (batch, heads, len_tgt, len_tgt)
         assert np.all(layer_weights[..., future] == 0)
-        assert np.all(layer_weights[~np.broadcast_to(target_real[:, None, None, :], layer_weights.shape)] == 0)
+        assert np.all(
+            layer_weights[~np.broadcast_to(target_real[:, None, None, :], layer_weights.shape)] == 0
+        )
         rows = layer_weights.sum(-1)[:, :, 0]  # the first position always sees itself
         np.testing.assert_allclose(rows, 1.0, atol=1e-5)
 
@@ -90,7 +95,8 @@ def test_encode_then_decode_equals_call():
     memory = model.encode(inputs["source_ids"])
     assert memory.shape == (3, 7, 64)
     np.testing.assert_allclose(
-        model.decode(inputs["target_ids"], memory, inputs["source_ids"]), model(inputs), atol=1e-6)
+        model.decode(inputs["target_ids"], memory, inputs["source_ids"]), model(inputs), atol=1e-6
+    )
 
 
 def test_per_head_and_batched_models_agree_on_logits():
@@ -98,8 +104,11 @@ def test_per_head_and_batched_models_agree_on_logits():
     inputs = _batch()
     batched = np.asarray(model(inputs))
     model.set_attention_mode("per_head")
-    assert all(layer.mode == "per_head" for layer in model._flatten_layers()
-               if isinstance(layer, kt.MultiHeadAttention))
+    assert all(
+        layer.mode == "per_head"
+        for layer in model._flatten_layers()
+        if isinstance(layer, kt.MultiHeadAttention)
+    )
     np.testing.assert_allclose(model(inputs), batched, atol=1e-5)
 
 
@@ -129,18 +138,32 @@ def test_saved_model_reloads_safely_and_runs_in_the_other_mode(tmp_path, saved_m
 
 def _every_layer_instance():
     model = _model(norm_first=True, share_embeddings=False, tie_output=False)
-    layers = [layer for layer in model._flatten_layers(include_self=True)
-              if type(layer).__module__.startswith("keras_transformer")]
-    return layers + [kt.LabelSmoothedCrossEntropy(0.2, pad_id=1), kt.MaskedTokenAccuracy(pad_id=1),
-                     kt.NoamSchedule(256, warmup_steps=100, scale=2.0)]
+    layers = [
+        layer
+        for layer in model._flatten_layers(include_self=True)
+        if type(layer).__module__.startswith("keras_transformer")
+    ]
+    return layers + [
+        kt.LabelSmoothedCrossEntropy(0.2, pad_id=1),
+        kt.MaskedTokenAccuracy(pad_id=1),
+        kt.NoamSchedule(256, warmup_steps=100, scale=2.0),
+    ]
 
 
 def test_every_layer_config_round_trips_through_json():
     instances = _every_layer_instance()
     classes = {type(instance) for instance in instances}
-    assert {kt.MultiHeadAttention, kt.PositionwiseFeedForward, kt.SinusoidalPositionalEncoding,
-            kt.TokenEmbedding, kt.EncoderLayer, kt.DecoderLayer, kt.Encoder, kt.Decoder,
-            kt.Transformer} <= classes
+    assert {
+        kt.MultiHeadAttention,
+        kt.PositionwiseFeedForward,
+        kt.SinusoidalPositionalEncoding,
+        kt.TokenEmbedding,
+        kt.EncoderLayer,
+        kt.DecoderLayer,
+        kt.Encoder,
+        kt.Decoder,
+        kt.Transformer,
+    } <= classes
     for instance in instances:
         serialized = json.loads(json.dumps(keras.saving.serialize_keras_object(instance)))
         restored = keras.saving.deserialize_keras_object(serialized, safe_mode=True)
