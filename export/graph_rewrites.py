@@ -228,9 +228,7 @@ def all_graphs(graph):
 
 def collapse_tensordots(model):
     """`model` (changed in place and returned) with its tensordot chains collapsed (module docstring, 2)."""
-    constants = {}
-    for graph in all_graphs(model.graph):
-        constants.update((init.name, init) for init in graph.initializer)
+    constants = _initializers(model)
     for graph in all_graphs(model.graph):
         _collapse(graph, constants, _uses(model.graph))
     _drop_dead_nodes(model.graph)
@@ -251,10 +249,7 @@ def _uses(graph):
 
 def _collapse(graph, constants, uses):
     producers = {name: node for node in graph.node for name in node.output}
-    consumers = {}
-    for node in graph.node:
-        for name in node.input:
-            consumers.setdefault(name, []).append(node)
+    consumers = _consumers(graph)
     removed, collapsed = [], 0
     for matmul in list(graph.node):
         if matmul.op_type != "MatMul" or matmul.input[1] not in constants:
@@ -287,6 +282,20 @@ def _collapse(graph, constants, uses):
     for node in removed:
         graph.node.remove(node)
     return collapsed
+
+
+def _initializers(model):
+    """`{name: TensorProto}` of the initializers of every graph of `model`."""
+    return {init.name: init for graph in all_graphs(model.graph) for init in graph.initializer}
+
+
+def _consumers(graph):
+    """`{value name: [nodes of graph that read it, once per input]}`."""
+    consumers = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    return consumers
 
 
 def _skip_casts(name, producers):
@@ -338,15 +347,10 @@ def _drop_dead_nodes(graph):
 def fuse_layer_norms(model):
     """`model` (changed in place and returned) with each traced LayerNorm replaced by one
     `LayerNormalization` node (module docstring, 3). Returns the model; `count_nodes` tells the change."""
-    constants = {}
-    for graph in all_graphs(model.graph):
-        constants.update((init.name, init) for init in graph.initializer)
+    constants = _initializers(model)
     uses = _uses(model.graph)
     for graph in all_graphs(model.graph):
-        consumers = {}
-        for node in graph.node:
-            for name in node.input:
-                consumers.setdefault(name, []).append(node)
+        consumers = _consumers(graph)
         matches = [_layer_norm_at(node, consumers, constants, uses) for node in graph.node]
         for match in [m for m in matches if m is not None]:
             source, gamma, beta, epsilon, last, first = match
