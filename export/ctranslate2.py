@@ -2,7 +2,7 @@
 
 CTranslate2 (OpenNMT's C++ inference engine) runs the same architecture as
 our model. `export_ctranslate2` fills its `TransformerSpec` with our weights
-and writes, atomically (`export.layout.atomic_directory`):
+and writes, atomically (`keras_transformer_export.layout.atomic_directory`):
 
 | file                     | what                                                        |
 |--------------------------|-------------------------------------------------------------|
@@ -26,7 +26,7 @@ How the weights map (CTranslate2 stores linear weights `(out, in)`):
   an untied one is its `Dense` kernel and bias;
 - `layer_norm_epsilon` goes into `config.json`.
 
-Decoding (`CTranslate2Translator`) follows `keras_transformer.decoding`:
+Decoding (`CTranslate2Translator`) follows `keras_transformer.decoding.search`:
 sources end with EOS (`add_source_eos`), pad and BOS are never output
 (`suppress_sequences`), and each sentence may produce up to `source length +
 max_extra_length` tokens, EOS included (sentences are batched by source
@@ -57,10 +57,10 @@ import os
 
 import numpy as np
 
-from export.layout import atomic_directory
-from keras_transformer.positional_encoding import sinusoidal_table
-from keras_transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
-from keras_transformer.validation import UserError
+from keras_transformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
+from keras_transformer.layers.positional_encoding import sinusoidal_table
+from keras_transformer.utils.checks import UserError
+from keras_transformer_export.layout import atomic_directory
 
 QUANTIZATIONS = ("float32", "int8")
 SETTINGS_FILE = "export.json"
@@ -258,7 +258,7 @@ class CTranslate2Translator:
         path: the exported directory.
         beam_size, length_penalty, max_extra_length: default to the
             export's settings (`export.json`); `length_penalty` is GNMT's
-            alpha, as in `keras_transformer.decoding.beam_search`.
+            alpha, as in `keras_transformer.decoding.search.beam_search`.
         intra_threads, inter_threads: CTranslate2's threads (keep their
             product <= physical cores).
         compute_type: CTranslate2's `compute_type` ("default": the stored one).
@@ -319,7 +319,7 @@ class CTranslate2Translator:
         for index, pieces in enumerate(tokens):
             by_length.setdefault(len(pieces), []).append(index)
         for length, indices in sorted(by_length.items()):
-            # keras_transformer.decoding allows source length (EOS included) + extra tokens,
+            # keras_transformer.decoding.search allows source length (EOS included) + extra tokens,
             # EOS included, and forces EOS at the last one: as many tokens before EOS as
             # CTranslate2 produces with one less (it counts EOS, and stops without it).
             limit = max(1, min(length + 1 + self.max_extra_length, self.max_length) - 1)
@@ -377,12 +377,12 @@ class CTranslate2Translator:
 
 
 def main(argv=None):
-    """`python -m export.ctranslate2 DIR [--beam-size N] ... < input.txt > output.txt`."""
+    """`python -m keras_transformer_export.ctranslate2 DIR [--beam-size N] ... < input.txt > output.txt`."""
     import argparse
     import sys
 
     parser = argparse.ArgumentParser(
-        prog="python -m export.ctranslate2",
+        prog="python -m keras_transformer_export.ctranslate2",
         description="Translate stdin to stdout, one line each, with a CTranslate2 export "
         "(no TensorFlow needed).",
     )

@@ -2,8 +2,8 @@
 
 `TranslationGraphs` wraps a trained `Transformer`, its SentencePiece model
 and the decoding settings, and defines each exported computation once; the
-SavedModel (`export.saved_model`) registers them as signatures and the ONNX
-exporter (`export.onnx`) converts the same functions with tf2onnx, so every
+SavedModel (`keras_transformer_export.saved_model`) registers them as signatures and the ONNX
+exporter (`keras_transformer_export.onnx`) converts the same functions with tf2onnx, so every
 runtime runs the same graph.
 
 | function         | inputs                                  | outputs                                   |
@@ -26,11 +26,11 @@ import os
 import keras
 import tensorflow as tf
 
-from keras_transformer.decoding import beam_search
-from keras_transformer.masks import padding_mask
-from keras_transformer.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
-from keras_transformer.transformer import Transformer
-from keras_transformer.validation import UserError
+from keras_transformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
+from keras_transformer.decoding.search import beam_search
+from keras_transformer.layers.masks import padding_mask
+from keras_transformer.model.transformer import Transformer
+from keras_transformer.utils.checks import UserError
 
 
 def float32_model(model):

@@ -12,7 +12,7 @@ killed one left. Replacing an existing version
 (`overwrite=True`) moves the old one aside first, renames the new one in,
 then deletes the old one: at every moment the path holds a complete export
 or nothing. A write the storage refuses (a full disk) removes the partial
-directory and raises `keras_transformer.files.StorageError`.
+directory and raises `keras_transformer.utils.files.StorageError`.
 
 One exporter at a time per destination (`export_lock`): a second one is
 refused with the first one's pid.
@@ -25,9 +25,9 @@ import re
 import shutil
 import tempfile
 
-from keras_transformer.files import StorageError, atomic_write
-from keras_transformer.locking import WriterLock
-from keras_transformer.validation import UserError
+from keras_transformer.training.locking import WriterLock
+from keras_transformer.utils.checks import UserError
+from keras_transformer.utils.files import StorageError, atomic_write
 
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 

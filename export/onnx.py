@@ -1,8 +1,8 @@
 """ONNX graphs of a trained model, for ONNX Runtime.
 
-`export_onnx` converts the functions of `export.graphs.TranslationGraphs`
+`export_onnx` converts the functions of `keras_transformer_export.graphs.TranslationGraphs`
 with `tf2onnx.convert.from_function` (not `from_keras`, which is broken on
-Keras 3) and writes, atomically (`export.layout.atomic_directory`):
+Keras 3) and writes, atomically (`keras_transformer_export.layout.atomic_directory`):
 
 | file                  | inputs                                   | outputs                         |
 |-----------------------|------------------------------------------|---------------------------------|
@@ -19,7 +19,7 @@ Every graph has dynamic batch and length axes, opset 17, and passes
 whole beam search as one ONNX `Loop`; `encoder.onnx` + `decoder_step.onnx`
 are for runtimes that dislike `Loop`, driven by `export.onnx_beam_search`.
 
-Every converted graph is then rewritten by `export.graph_rewrites.simplify`
+Every converted graph is then rewritten by `keras_transformer_export.graph_rewrites.simplify`
 (the same arithmetic, fewer nodes): the decoder weights that tf2onnx threads
 through the `Loop` state are read from the enclosing graph with their
 per-step reshapes done once, and each `tensordot` chain (8 nodes) becomes one
@@ -27,7 +27,7 @@ per-step reshapes done once, and each `tensordot` chain (8 nodes) becomes one
 batch 1).
 
 `export_onnx(..., quantization="int8", gate=...)` writes the same files with
-int8 matrix products (`export.quantization`), refused if the gate measures a
+int8 matrix products (`keras_transformer_export.quantization`), refused if the gate measures a
 larger validation BLEU drop than allowed.
 
 `translate_text.onnx` needs onnxruntime-extensions (`ai.onnx.contrib`
@@ -46,9 +46,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, compose, helper
 
-from export.graph_rewrites import simplify
-from export.graphs import TranslationGraphs
-from export.layout import atomic_directory
+from keras_transformer_export.graph_rewrites import simplify
+from keras_transformer_export.graphs import TranslationGraphs
+from keras_transformer_export.layout import atomic_directory
 
 OPSET = 17
 CONTRIB_DOMAIN = "ai.onnx.contrib"
@@ -69,9 +69,9 @@ QUANTIZATIONS = ("float32", "int8")
 def export_onnx(graphs, out_dir, overwrite=False, log=None, quantization="float32", gate=None):
     """Writes the ONNX graphs of `graphs` (a `TranslationGraphs`) into `out_dir`; returns its path.
 
-    `quantization="int8"` writes int8 graphs (`export.quantization.quantize_int8`);
+    `quantization="int8"` writes int8 graphs (`keras_transformer_export.quantization.quantize_int8`);
     `gate`, if given, is called as `gate(float32_dir, int8_dir)` before the
-    directory appears (e.g. `export.quantization.BleuGate`): it returns a report
+    directory appears (e.g. `keras_transformer_export.quantization.BleuGate`): it returns a report
     stored in `export.json` or raises to write nothing. `log`, if given, is
     called with a line per graph written.
     """
@@ -101,7 +101,7 @@ def _int8(graphs, models, temporary, gate):
     """The int8 graphs and their `export.json` entry; runs `gate` on float32 and int8 `translate.onnx`."""
     import shutil
 
-    from export.quantization import count_quantized, quantize_int8
+    from keras_transformer_export.quantization import count_quantized, quantize_int8
 
     quantized = {stem: quantize_int8(model) for stem, model in models.items()}
     integer, floating = count_quantized(quantized["translate"])

@@ -1,6 +1,6 @@
 """Translating with the exported ONNX graphs in ONNX Runtime, without TensorFlow.
 
-    from export.onnx_runtime import OnnxTranslator
+    from keras_transformer_export.onnx_runtime import OnnxTranslator
     translator = OnnxTranslator("exports/demo-onnx")              # translate.onnx (Loop inside)
     translator = OnnxTranslator("exports/demo-onnx", mode="split")  # encoder + decoder_step
     texts, scores = translator.translate(["A dog runs."])
@@ -18,7 +18,7 @@ at the first NUL character ("a\x00b" is translated as "a").
 
 `SplitBeamSearch` is the NumPy beam search that drives `encoder.onnx` and
 `decoder_step.onnx`: the same algorithm, in the same float32 arithmetic, as
-`keras_transformer.decoding.beam_search` (GNMT length penalty, a pool of
+`keras_transformer.decoding.search.beam_search` (GNMT length penalty, a pool of
 finished hypotheses, the same stopping rule and tie-breaking), so it returns
 the same tokens.
 """
@@ -28,8 +28,8 @@ import os
 
 import numpy as np
 
-NEG_INF = np.float32(-1.0e9)  # as keras_transformer.decoding
-UNK_ID = 1  # kept by detokenization (keras_transformer.tokenizer)
+NEG_INF = np.float32(-1.0e9)  # as keras_transformer.decoding.search
+UNK_ID = 1  # kept by detokenization (keras_transformer.data.tokenizer)
 
 
 def read_metadata(export_dir):
@@ -271,12 +271,13 @@ class OnnxTranslator:
 
 
 def main(argv=None):
-    """`python -m export.onnx_runtime DIR [--mode full|split|text]`: stdin lines -> translations."""
+    """`python -m keras_transformer_export.onnx_runtime DIR [--mode full|split|text]`: stdin to stdout."""
     import argparse
     import sys
 
     parser = argparse.ArgumentParser(
-        prog="python -m export.onnx_runtime", description=main.__doc__.split(":", 1)[1].strip()
+        prog="python -m keras_transformer_export.onnx_runtime",
+        description=main.__doc__.split(":", 1)[1].strip(),
     )
     parser.add_argument("export_dir")
     parser.add_argument("--mode", choices=OnnxTranslator.MODES, default="full")

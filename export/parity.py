@@ -4,7 +4,7 @@
 (`keras_transformer.Translator`), the reloaded SavedModel's
 `serving_default`, and ONNX Runtime (`translate.onnx`, the
 `encoder.onnx` + `decoder_step.onnx` pair, and `translate_text.onnx` in a
-separate process without TensorFlow: see `export.onnx_runtime.make_session`),
+separate process without TensorFlow: see `keras_transformer_export.onnx_runtime.make_session`),
 and compares `forward.onnx`'s logits with Keras's.
 """
 
@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import tensorflow as tf
 
-from export.onnx_runtime import OnnxTranslator, make_session
+from keras_transformer_export.onnx_runtime import OnnxTranslator, make_session
 
 
 def check_parity(
@@ -27,7 +27,7 @@ def check_parity(
 
     `identical` counts the translations equal to Keras's (the reference).
     """
-    from keras_transformer.translator import Translator
+    from keras_transformer.decoding.translator import Translator
 
     sentences = list(sentences)
     translator = Translator(model, tokenizer, beam_size=beam_size, length_penalty=length_penalty)
@@ -59,7 +59,7 @@ def check_parity(
 def translate_in_subprocess(onnx_dir, sentences, mode):
     """`OnnxTranslator(onnx_dir, mode).translate(sentences)[0]`, in a fresh Python without TensorFlow."""
     code = (
-        "import json, sys; from export.onnx_runtime import OnnxTranslator; "
+        "import json, sys; from keras_transformer_export.onnx_runtime import OnnxTranslator; "
         "sentences = json.load(sys.stdin); "
         f"print(json.dumps(OnnxTranslator(sys.argv[1], {mode!r}).translate(sentences)[0]))"
     )
@@ -82,7 +82,7 @@ def translate_in_subprocess(onnx_dir, sentences, mode):
 
 def max_logit_difference(model, tokenizer, onnx_dir, sentences, targets):
     """Largest |logit| difference between `forward.onnx` and Keras, teacher-forced on `targets`."""
-    from keras_transformer.tokenizer import BOS_ID
+    from keras_transformer.data.tokenizer import BOS_ID
 
     source_ids = tokenizer.encode(
         tf.constant(sentences), max_length=model.config.max_length, pad_to_max_length=False

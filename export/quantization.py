@@ -2,7 +2,7 @@
 
 `quantize_int8` applies `onnxruntime.quantization.quantize_dynamic` to the
 matrix products with a constant weight: every `MatMul` of the encoder, of the
-decoder (inside the beam search's `Loop` too: `export.graph_rewrites` first
+decoder (inside the beam search's `Loop` too: `keras_transformer_export.graph_rewrites` first
 makes its weights visible as initializers) and the output projection. Weights
 become per-tensor symmetric int8; activations are quantized to uint8 on the fly
 (`DynamicQuantizeLinear` + `MatMulInteger`). The attention products
@@ -27,7 +27,7 @@ import os
 import tempfile
 import time
 
-from keras_transformer.validation import UserError
+from keras_transformer.utils.checks import UserError
 
 DEFAULT_MAX_BLEU_DROP = 1.0
 
@@ -63,7 +63,7 @@ def quantize_int8(model):
 
 def count_quantized(model):
     """`(MatMulInteger, float MatMul)` node counts over the model and its `Loop` bodies."""
-    from export.graph_rewrites import all_graphs
+    from keras_transformer_export.graph_rewrites import all_graphs
 
     types = [node.op_type for graph in all_graphs(model.graph) for node in graph.node]
     return types.count("MatMulInteger"), types.count("MatMul")
@@ -106,8 +106,8 @@ class BleuGate:
         self.threads, self.log = threads, log
 
     def __call__(self, float_dir, int8_dir):
-        from export.onnx_runtime import OnnxTranslator
         from keras_transformer.evaluation import score_translations
+        from keras_transformer_export.onnx_runtime import OnnxTranslator
 
         scores, texts, seconds = {}, {}, {}
         for name, directory in (("float32", float_dir), ("int8", int8_dir)):

@@ -1,7 +1,7 @@
 """String-in/string-out SavedModel for TF Serving, with beam search inside.
 
 `export_saved_model` writes `DIR/<name>/<version>/` (TF Serving's layout,
-atomically: `export.layout`) and `DIR/models.config`. The SavedModel holds
+atomically: `keras_transformer_export.layout`) and `DIR/models.config`. The SavedModel holds
 the model's variables, the SentencePiece model (as tf-text ops, which the
 stock `tensorflow/serving` binary includes) and these signatures:
 
@@ -28,8 +28,13 @@ import os
 
 import keras
 
-from export.graphs import TranslationGraphs
-from export.layout import atomic_directory, check_model_name, next_version, write_models_config
+from keras_transformer_export.graphs import TranslationGraphs
+from keras_transformer_export.layout import (
+    atomic_directory,
+    check_model_name,
+    next_version,
+    write_models_config,
+)
 
 SIGNATURES = (("serving_default", "translate_text"), ("translate_ids", "translate_ids"), ("score", "score"))
 

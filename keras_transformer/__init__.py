@@ -3,25 +3,50 @@ al., 2017) as a Keras 3 library."""
 
 __version__ = "0.1.0"
 
-from keras_transformer.attention import masked_softmax, scaled_dot_product_attention
-from keras_transformer.config import PRESETS, TransformerConfig
-from keras_transformer.data import Corpus, CorpusError, load_corpus, make_dataset
-from keras_transformer.decoder import Decoder, DecoderLayer
+# The model core below runs on any Keras backend and does not import TensorFlow;
+# `Tokenizer` (tf-text) and `make_dataset` (tf.data) are imported on first use.
+
+from keras_transformer.data import Corpus, CorpusError, load_corpus, sequence_task
 from keras_transformer.decoding import Translations, beam_search, greedy_search
-from keras_transformer.dropout import Dropout
-from keras_transformer.embedding import TokenEmbedding
-from keras_transformer.encoder import Encoder, EncoderLayer
 from keras_transformer.evaluation import Scores, score_translations
-from keras_transformer.feed_forward import PositionwiseFeedForward
-from keras_transformer.losses import LabelSmoothedCrossEntropy, MaskedTokenAccuracy
-from keras_transformer.masks import causal_mask, combine_masks, padding_mask
-from keras_transformer.multi_head_attention import ATTENTION_MODES, MultiHeadAttention
-from keras_transformer.positional_encoding import SinusoidalPositionalEncoding, sinusoidal_table
-from keras_transformer.schedules import NoamSchedule
-from keras_transformer.tokenizer import Tokenizer
-from keras_transformer.toy_tasks import sequence_task
-from keras_transformer.training import compile_transformer, make_optimizer
-from keras_transformer.transformer import Transformer
+from keras_transformer.layers import (
+    ATTENTION_MODES,
+    Decoder,
+    DecoderLayer,
+    Dropout,
+    Encoder,
+    EncoderLayer,
+    MultiHeadAttention,
+    PositionwiseFeedForward,
+    SinusoidalPositionalEncoding,
+    TokenEmbedding,
+    causal_mask,
+    combine_masks,
+    masked_softmax,
+    padding_mask,
+    scaled_dot_product_attention,
+    sinusoidal_table,
+)
+from keras_transformer.model import PRESETS, Transformer, TransformerConfig
+from keras_transformer.training import (
+    LabelSmoothedCrossEntropy,
+    MaskedTokenAccuracy,
+    NoamSchedule,
+    compile_transformer,
+    make_optimizer,
+)
+
+_TENSORFLOW_NAMES = {
+    "Tokenizer": "keras_transformer.data.tokenizer",
+    "make_dataset": "keras_transformer.data.batching",
+}
+
+
+def __getattr__(name):
+    from keras_transformer.utils.lazy import lazy_attribute
+
+    return lazy_attribute(__name__, _TENSORFLOW_NAMES, name)
+
 
 __all__ = [
     "ATTENTION_MODES",

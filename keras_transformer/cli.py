@@ -33,8 +33,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ start-up 
 
 
 def _presets(args):
-    from keras_transformer.config import PRESETS
-    from keras_transformer.transformer import Transformer
+    from keras_transformer.model.config import PRESETS
+    from keras_transformer.model.transformer import Transformer
 
     print(f"Presets with a shared vocabulary of {args.vocab_size} tokens:\n")
     print("| preset | layers | d_model | heads | d_ff | dropout | max_length | parameters |")
@@ -50,7 +50,7 @@ def _presets(args):
 
 
 def _train(args):
-    from keras_transformer.trainer import TrainingOptions, train
+    from keras_transformer.training.trainer import TrainingOptions, train
 
     options = TrainingOptions(
         out=args.out,
@@ -84,15 +84,15 @@ def _train(args):
     )
     result = train(options)
     if result.status == "preempted":
-        from keras_transformer.preemption import EXIT_PREEMPTED
+        from keras_transformer.training.preemption import EXIT_PREEMPTED
 
         return EXIT_PREEMPTED
     return 0 if result.status == "finished" else 1
 
 
 def _load(args):
-    from keras_transformer.run_directory import load_model, resolve_model
-    from keras_transformer.translator import Translator
+    from keras_transformer.decoding.translator import Translator
+    from keras_transformer.training.run_directory import load_model, resolve_model
 
     run, model_path = resolve_model(args.model)
     model = load_model(model_path)
@@ -153,9 +153,9 @@ def _translate(args):
 
 
 def _evaluate(args):
-    from keras_transformer.data import load_corpus
+    from keras_transformer.data.corpora import load_corpus
     from keras_transformer.evaluation import score_translations
-    from keras_transformer.files import atomic_write
+    from keras_transformer.utils.files import atomic_write
 
     run, _, translator = _load(args)
     settings = run.settings()
@@ -204,9 +204,9 @@ def _evaluate(args):
 
 def _export(args):
     # The exporters live in the top-level `export` package (the library never imports it).
-    from export.layout import check_free, check_model_name, export_lock
-    from keras_transformer.run_directory import load_model, resolve_model
-    from keras_transformer.validation import UserError
+    from keras_transformer.training.run_directory import load_model, resolve_model
+    from keras_transformer.utils.checks import UserError
+    from keras_transformer_export.layout import check_free, check_model_name, export_lock
 
     if args.quantization != "float32" and args.format == "saved_model":
         raise UserError(
@@ -246,7 +246,7 @@ def _export(args):
         model, tokenizer = load_model(model_path), run.tokenizer()
         if args.format == "ctranslate2":
             return _write_ctranslate2(args, model, tokenizer)
-        from export.graphs import TranslationGraphs
+        from keras_transformer_export.graphs import TranslationGraphs
 
         graphs = TranslationGraphs(
             model,
@@ -259,7 +259,7 @@ def _export(args):
 
 
 def _write_ctranslate2(args, model, tokenizer):
-    from export.ctranslate2 import export_ctranslate2
+    from keras_transformer_export.ctranslate2 import export_ctranslate2
 
     start = time.perf_counter()
     path = export_ctranslate2(
@@ -275,7 +275,7 @@ def _write_ctranslate2(args, model, tokenizer):
     print(
         f"Wrote the CTranslate2 model ({args.quantization}) to {path} in "
         f"{time.perf_counter() - start:.0f}s.\nTranslate with it: "
-        f"python -m export.ctranslate2 {path} < input.txt",
+        f"python -m keras_transformer_export.ctranslate2 {path} < input.txt",
         file=sys.stderr,
     )
     return 0
@@ -284,7 +284,7 @@ def _write_ctranslate2(args, model, tokenizer):
 def _write_export(args, graphs, name, run):
     start = time.perf_counter()
     if args.format == "saved_model":
-        from export.saved_model import export_saved_model
+        from keras_transformer_export.saved_model import export_saved_model
 
         path = export_saved_model(graphs, args.out, name, version=args.version, overwrite=args.overwrite)
         print(
@@ -295,7 +295,7 @@ def _write_export(args, graphs, name, run):
             file=sys.stderr,
         )
     else:
-        from export.onnx import export_onnx
+        from keras_transformer_export.onnx import export_onnx
 
         def log(line):
             print(line, file=sys.stderr)
@@ -312,10 +312,10 @@ def _write_export(args, graphs, name, run):
 
 
 def _int8_gate(args, run, log):
-    """`export.quantization.BleuGate` on the run's validation pairs (or those of --data)."""
-    from export.quantization import DEFAULT_MAX_BLEU_DROP, BleuGate
-    from keras_transformer.data import load_corpus
-    from keras_transformer.trainer import validation_pairs
+    """`keras_transformer_export.quantization.BleuGate` on the run's validation pairs (or those of --data)."""
+    from keras_transformer.data.corpora import load_corpus
+    from keras_transformer.training.trainer import validation_pairs
+    from keras_transformer_export.quantization import DEFAULT_MAX_BLEU_DROP, BleuGate
 
     options = run.settings()["options"]
     data = args.data or options["data"]
@@ -333,7 +333,7 @@ def _int8_gate(args, run, log):
 
 
 def _average(args):
-    from keras_transformer.run_directory import RunDirectory, average_last_checkpoints
+    from keras_transformer.training.run_directory import RunDirectory, average_last_checkpoints
 
     run = RunDirectory(args.model)
     run.settings()  # a run directory, or one line saying what is wrong
@@ -347,8 +347,8 @@ def _average(args):
 def _attention(args):
     import numpy as np
 
+    from keras_transformer.data.tokenizer import BOS_ID
     from keras_transformer.plots import plot_attention
-    from keras_transformer.tokenizer import BOS_ID
 
     _, model, translator = _load(args)
     tokenizer = translator.tokenizer
@@ -631,8 +631,8 @@ def build_parser():
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    from keras_transformer.files import StorageError
-    from keras_transformer.validation import UserError
+    from keras_transformer.utils.checks import UserError
+    from keras_transformer.utils.files import StorageError
 
     try:
         return args.handler(args)

@@ -3,7 +3,7 @@ of a run and a grid of attention heads."""
 
 import numpy as np
 
-from keras_transformer.files import atomic_path
+from keras_transformer.utils.files import atomic_path
 
 
 def _pyplot():

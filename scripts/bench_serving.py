@@ -8,9 +8,9 @@ size and GNMT length penalty, 2 threads each:
 |---------------------|-----------|
 | keras               | `keras_transformer.Translator`: tf-text tokenization, beam search in one `tf.function` (no XLA) |
 | saved_model         | `serving_default` of the exported SavedModel (what TF Serving runs; no XLA) |
-| onnx_full (before)  | `translate.onnx` as tf2onnx converts it (the export before `export.graph_rewrites`) |
-| onnx_full (rewrites 1-2) | `translate.onnx` with rewrites 1-2 of `export.graph_rewrites` only (weights hoisted, tensordots collapsed) |
-| onnx_full           | `translate.onnx` as exported now (`export.graph_rewrites.simplify`: weights out of the `Loop`, one `MatMul` per projection, one `LayerNormalization` per norm, one `Where` per `tf.where`) |
+| onnx_full (before)  | `translate.onnx` as tf2onnx converts it (the export before `keras_transformer_export.graph_rewrites`) |
+| onnx_full (rewrites 1-2) | `translate.onnx` with rewrites 1-2 of `keras_transformer_export.graph_rewrites` only (weights hoisted, tensordots collapsed) |
+| onnx_full           | `translate.onnx` as exported now (`keras_transformer_export.graph_rewrites.simplify`: weights out of the `Loop`, one `MatMul` per projection, one `LayerNormalization` per norm, one `Where` per `tf.where`) |
 | onnx_split          | `encoder.onnx` + `decoder_step.onnx` driven by the NumPy beam search |
 | onnx_int8           | `export --format onnx --quantization int8`, full graph |
 | ct2_float32         | `export --format ctranslate2`, `CTranslate2Translator` (GNMT re-ranking of the n-best; batches split by source length for exact parity) |
@@ -75,13 +75,13 @@ def runtimes(model, tokenizer, directory, args):
     import onnx
     import tensorflow as tf
 
-    from export.ctranslate2 import CTranslate2Translator, export_ctranslate2
-    from export.graph_rewrites import simplify
-    from export.graphs import TranslationGraphs
-    from export.onnx import convert, export_onnx
-    from export.onnx_runtime import OnnxTranslator
-    from export.saved_model import export_saved_model
-    from keras_transformer.translator import Translator
+    from keras_transformer.decoding.translator import Translator
+    from keras_transformer_export.ctranslate2 import CTranslate2Translator, export_ctranslate2
+    from keras_transformer_export.graph_rewrites import simplify
+    from keras_transformer_export.graphs import TranslationGraphs
+    from keras_transformer_export.onnx import convert, export_onnx
+    from keras_transformer_export.onnx_runtime import OnnxTranslator
+    from keras_transformer_export.saved_model import export_saved_model
 
     settings = dict(beam_size=args.beam_size, length_penalty=args.length_penalty)
     graphs = TranslationGraphs(model, tokenizer, **settings)
@@ -89,7 +89,7 @@ def runtimes(model, tokenizer, directory, args):
     onnx_dir = export_onnx(graphs, os.path.join(directory, "onnx"))
     int8_dir = export_onnx(graphs, os.path.join(directory, "onnx-int8"), quantization="int8")
     before_dir = os.path.join(directory, "onnx-before")  # the same export, translate.onnx unhoisted
-    # Rewrites 1-2 of export.graph_rewrites (the export before its LayerNorm and Where rewrites).
+    # Rewrites 1-2 of keras_transformer_export.graph_rewrites (the export before its LayerNorm and Where rewrites).
     unfused_dir = os.path.join(directory, "onnx-unfused")
     raw = convert(graphs, "translate_ids")
     for target_dir, translate_graph in (
@@ -176,7 +176,7 @@ def random_weights_without_eos(preset, vocab_size, seed=0):
     import keras
 
     from keras_transformer import Transformer
-    from keras_transformer.tokenizer import EOS_ID
+    from keras_transformer.data.tokenizer import EOS_ID
 
     keras.utils.set_random_seed(seed)
     model = Transformer.from_preset(preset, vocab_size=vocab_size)
@@ -219,8 +219,8 @@ def main():
     import sacrebleu
     import tensorflow as tf
 
-    from keras_transformer.run_directory import load_model, resolve_model
-    from keras_transformer.validation import UserError
+    from keras_transformer.training.run_directory import load_model, resolve_model
+    from keras_transformer.utils.checks import UserError
 
     try:
         run, model_path = resolve_model(args.model)

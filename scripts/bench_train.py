@@ -69,8 +69,9 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import keras_transformer as kt  # noqa: E402
-from keras_transformer.batching import TokenizedPairs  # noqa: E402
-from keras_transformer.trainer import mixed_precision_policy  # noqa: E402
+from keras_transformer.data.batching import TokenizedPairs  # noqa: E402
+from keras_transformer.training.fused_step import FusedOutputLossStep  # noqa: E402
+from keras_transformer.training.trainer import mixed_precision_policy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 IMPLEMENTATIONS = ("ours batched", "ours per-head", "ours logits", "keras-hub")
@@ -164,7 +165,7 @@ def build(implementation, config, jit_compile):
         model = kt.Transformer(kt.TransformerConfig(**{**config.to_dict(), "attention_mode": mode}))
         # "ours logits": Keras' own step on the (batch, len, vocab) logits, as
         # keras-hub's build trains, instead of our fused projection + loss.
-        model.fused_output_loss = implementation != "ours logits"
+        model.fused_step = FusedOutputLossStep() if implementation != "ours logits" else None
     model.compile(
         optimizer=kt.make_optimizer(config.d_model, warmup_steps=4000),
         loss=kt.LabelSmoothedCrossEntropy(0.1, pad_id=config.pad_id),

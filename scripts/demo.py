@@ -10,7 +10,7 @@ through the same code as the `keras-transformer` commands it prints:
 
 then translates 100 test sentences with Keras, the reloaded SavedModel and
 ONNX Runtime (full graph, encoder/decoder-step pair, text graph) and checks
-that they agree (`export.parity`). It fails (exit 1) unless the test-split
+that they agree (`keras_transformer_export.parity`). It fails (exit 1) unless the test-split
 BLEU reaches 90 (the synthetic task is learnable, so a lower score is a bug)
 and every runtime gives Keras's translations.
 
@@ -27,7 +27,7 @@ import time
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from keras_transformer import cli  # noqa: E402
-from keras_transformer.data import load_corpus  # noqa: E402
+from keras_transformer.data.corpora import load_corpus  # noqa: E402
 
 BLEU_FLOOR = 90.0
 PARITY_SENTENCES = 100
@@ -135,10 +135,13 @@ def main():
 
 
 def _check_parity(run_dir, sentences):
-    from export.parity import check_parity
-    from keras_transformer.run_directory import RunDirectory, load_model
+    from keras_transformer.training.run_directory import RunDirectory, load_model
+    from keras_transformer_export.parity import check_parity
 
-    print(f"\n$ python -c 'export.parity.check_parity(...)'  ({len(sentences)} test sentences)")
+    print(
+        f"\n$ python -c 'keras_transformer_export.parity.check_parity(...)'  "
+        f"({len(sentences)} test sentences)"
+    )
     report = check_parity(
         load_model(os.path.join(run_dir, "model.keras")),
         RunDirectory(run_dir).tokenizer(),

@@ -21,8 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import onnx  # noqa: E402
 import onnxruntime  # noqa: E402
 
-from export.graph_rewrites import count_nodes  # noqa: E402
-from export.onnx_runtime import OnnxTranslator, read_metadata  # noqa: E402
+from keras_transformer_export.graph_rewrites import count_nodes  # noqa: E402
+from keras_transformer_export.onnx_runtime import OnnxTranslator, read_metadata  # noqa: E402
 
 
 def profile(path, batches, threads, step_node):

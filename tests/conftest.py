@@ -77,7 +77,7 @@ def multi30k_dir():
 @pytest.fixture(scope="session")
 def synthetic_files(tmp_path_factory):
     """800 synthetic sentence pairs as two aligned UTF-8 files: `(source_path, target_path)`."""
-    from keras_transformer.synthetic import SyntheticLanguagePair
+    from keras_transformer.data.synthetic import SyntheticLanguagePair
 
     directory = tmp_path_factory.mktemp("corpus")
     sources, targets = SyntheticLanguagePair().corpus({"train": 800}, seed=5)["train"]

@@ -12,11 +12,11 @@ import pytest
 
 ctranslate2 = pytest.importorskip("ctranslate2")
 
-from export.ctranslate2 import CTranslate2Translator, export_ctranslate2  # noqa: E402
 from keras_transformer import Transformer, cli  # noqa: E402
-from keras_transformer.run_directory import RunDirectory, load_model  # noqa: E402
-from keras_transformer.translator import Translator  # noqa: E402
-from keras_transformer.validation import UserError  # noqa: E402
+from keras_transformer.decoding.translator import Translator  # noqa: E402
+from keras_transformer.training.run_directory import RunDirectory, load_model  # noqa: E402
+from keras_transformer.utils.checks import UserError  # noqa: E402
+from keras_transformer_export.ctranslate2 import CTranslate2Translator, export_ctranslate2  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -164,7 +164,7 @@ def test_translations_match_keras(beam_size, exports, run_parts, sentences):
 def test_command_line_translation_and_int8(exports, sentences, run_parts):
     env = {**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "3"}
     completed = subprocess.run(
-        [sys.executable, "-m", "export.ctranslate2", str(exports["int8"])],
+        [sys.executable, "-m", "keras_transformer_export.ctranslate2", str(exports["int8"])],
         input="\n".join(sentences) + "\n",
         capture_output=True,
         text=True,

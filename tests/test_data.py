@@ -3,8 +3,9 @@ import urllib.error
 import numpy as np
 import pytest
 
-from keras_transformer import data
-from keras_transformer.synthetic import ARTICLES, SyntheticLanguagePair
+from keras_transformer.data import corpora as data
+from keras_transformer.data.batching import make_dataset
+from keras_transformer.data.synthetic import ARTICLES, SyntheticLanguagePair
 
 
 def test_synthetic_corpus_is_deterministic_and_splits_are_disjoint():
@@ -110,7 +111,7 @@ def test_multi30k_offline_says_what_to_download_and_where(tmp_path, monkeypatch)
 
 @pytest.fixture(scope="module")
 def synthetic_tokenized():
-    from keras_transformer.tokenizer import Tokenizer
+    from keras_transformer.data.tokenizer import Tokenizer
 
     sources, targets = data.load_corpus("synthetic")["train"]
     return sources[:1500], targets[:1500], Tokenizer.train(sources + targets, vocab_size=800)
@@ -118,7 +119,7 @@ def synthetic_tokenized():
 
 def test_dataset_batches_by_tokens_in_padded_buckets(synthetic_tokenized):
     sources, targets, tokenizer = synthetic_tokenized
-    dataset, info = data.make_dataset(sources, targets, tokenizer, batch_tokens=512, max_length=32)
+    dataset, info = make_dataset(sources, targets, tokenizer, batch_tokens=512, max_length=32)
     lengths = (
         np.maximum(
             tokenizer.tokenize(sources).row_lengths().numpy(),
@@ -149,7 +150,7 @@ def test_dataset_trains_with_fit(synthetic_tokenized):
     import keras_transformer as kt
 
     sources, targets, tokenizer = synthetic_tokenized
-    dataset, _ = data.make_dataset(sources[:300], targets[:300], tokenizer, batch_tokens=1024, max_length=64)
+    dataset, _ = make_dataset(sources[:300], targets[:300], tokenizer, batch_tokens=1024, max_length=64)
     model = kt.Transformer.from_preset("tiny", vocab_size=tokenizer.vocab_size)
     kt.compile_transformer(model, warmup_steps=50)
     history = model.fit(dataset, epochs=2, shuffle=False, verbose=0)
@@ -161,7 +162,7 @@ def test_train_step_is_not_retraced_after_the_first_epoch(synthetic_tokenized):
     import keras
 
     import keras_transformer as kt
-    from keras_transformer.batching import TokenizedPairs
+    from keras_transformer.data.batching import TokenizedPairs
 
     sources, targets, tokenizer = synthetic_tokenized
     pairs = TokenizedPairs(sources[:400], targets[:400], tokenizer, batch_tokens=512, max_length=64)

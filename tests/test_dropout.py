@@ -4,7 +4,7 @@ import pytest
 import tensorflow as tf
 
 import keras_transformer as kt
-from keras_transformer.dropout import _in_xla_computation
+from keras_transformer.layers.dropout import _in_xla_computation
 
 
 @pytest.mark.parametrize("jit_compile", [False, True])

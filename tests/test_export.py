@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from export.layout import check_model_name, remove_abandoned, versions, write_models_config
 from keras_transformer import cli
-from keras_transformer.validation import UserError
+from keras_transformer.utils.checks import UserError
+from keras_transformer_export.layout import check_model_name, remove_abandoned, versions, write_models_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SENTENCES = 100
@@ -120,7 +120,7 @@ def test_fresh_process_and_tf_serving_session_match_translate_cli(
     """`tf.saved_model.load` and TF Serving's loading path (TF1 session, tensor names, no XLA),
     in a process with only TensorFlow and tf-text: the translations of `keras-transformer
     translate`, and the same ids, scores and log-likelihoods from both paths."""
-    from keras_transformer.run_directory import RunDirectory
+    from keras_transformer.training.run_directory import RunDirectory
 
     tokenizer = RunDirectory(trained_run).tokenizer()
     targets = synthetic_files[1].read_text(encoding="utf-8").splitlines()[-SENTENCES:]
@@ -256,7 +256,7 @@ def test_serving_default_survives_bad_input(serving_default):
 
 
 def test_long_source_is_truncated_to_max_length(serving_default, trained_run):
-    from keras_transformer.run_directory import RunDirectory
+    from keras_transformer.training.run_directory import RunDirectory
 
     tokenizer = RunDirectory(trained_run).tokenizer()
     max_length = RunDirectory(trained_run).settings()["model"]["max_length"]
@@ -292,8 +292,8 @@ def test_random_unicode_never_raises_or_changes_batch_size(serving_default):
 def test_score_signature_is_the_models_log_likelihood(exported, trained_run, synthetic_files):
     import keras
 
-    from keras_transformer.run_directory import RunDirectory, load_model
-    from keras_transformer.tokenizer import BOS_ID, PAD_ID
+    from keras_transformer.data.tokenizer import BOS_ID, PAD_ID
+    from keras_transformer.training.run_directory import RunDirectory, load_model
 
     sources = synthetic_files[0].read_text(encoding="utf-8").splitlines()[:8] + ["", "x"]
     targets = synthetic_files[1].read_text(encoding="utf-8").splitlines()[:8] + ["", ""]
@@ -329,10 +329,15 @@ def test_onnx_graphs_are_valid_with_dynamic_axes(exported):
 
 
 def test_onnx_runtime_matches_keras(exported, trained_run, sentences, cli_translations):
-    from export.onnx_runtime import FullGraphSearch, OnnxTranslator, SplitBeamSearch, make_session
-    from export.parity import max_logit_difference
-    from keras_transformer.run_directory import RunDirectory, load_model
-    from keras_transformer.translator import Translator
+    from keras_transformer.decoding.translator import Translator
+    from keras_transformer.training.run_directory import RunDirectory, load_model
+    from keras_transformer_export.onnx_runtime import (
+        FullGraphSearch,
+        OnnxTranslator,
+        SplitBeamSearch,
+        make_session,
+    )
+    from keras_transformer_export.parity import max_logit_difference
 
     onnx_dir = str(exported[1])
     model, tokenizer = load_model(trained_run / "model.keras"), RunDirectory(trained_run).tokenizer()
@@ -373,7 +378,7 @@ def test_onnx_runtime_matches_keras(exported, trained_run, sentences, cli_transl
     }
     step = make_session(os.path.join(onnx_dir, "decoder_step.onnx"))
     onnx_logits = step.run(["logits"], feed)[0]
-    from keras_transformer.masks import padding_mask
+    from keras_transformer.layers.masks import padding_mask
 
     cache = model.init_cache(model.encode(source_ids[:4]), 10)
     keras_logits, _ = model.decode_step(feed["token_ids"], 0, cache, padding_mask(source_ids[:4], 0))
@@ -381,7 +386,7 @@ def test_onnx_runtime_matches_keras(exported, trained_run, sentences, cli_transl
 
 
 def test_onnx_text_graph_matches_translate_cli(exported, sentences, cli_translations):
-    from export.parity import translate_in_subprocess
+    from keras_transformer_export.parity import translate_in_subprocess
 
     # Text in, text out with onnxruntime-extensions, in a process without TensorFlow.
     assert translate_in_subprocess(str(exported[1]), sentences, "text") == cli_translations
@@ -460,7 +465,7 @@ def test_mixed_precision_model_exports_float32():
     import keras
 
     import keras_transformer as kt
-    from export.graphs import TranslationGraphs
+    from keras_transformer_export.graphs import TranslationGraphs
 
     mixed = kt.Transformer(kt.TransformerConfig.from_preset("tiny", vocab_size=300), dtype="mixed_bfloat16")
     mixed.build()

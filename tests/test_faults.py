@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 
 from keras_transformer import cli
-from keras_transformer.checkpoints import CorruptCheckpoint, Snapshot, state_snapshots
-from keras_transformer.files import StorageError
-from keras_transformer.locking import DirectoryBusy, WriterLock
-from keras_transformer.preemption import EXIT_PREEMPTED, StopSignals
-from keras_transformer.trainer import TrainingOptions, train
+from keras_transformer.training.checkpoints import CorruptCheckpoint, Snapshot, state_snapshots
+from keras_transformer.training.locking import DirectoryBusy, WriterLock
+from keras_transformer.training.preemption import EXIT_PREEMPTED, StopSignals
+from keras_transformer.training.trainer import TrainingOptions, train
+from keras_transformer.utils.files import StorageError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = [
@@ -101,7 +101,7 @@ def test_second_writer_is_refused_with_the_holders_pid(trained_run, data, tmp_pa
         monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"a b c\n"), encoding="utf-8"))
         assert cli.main(["translate", "--model", str(trained_run)]) == 0
         assert len(capsys.readouterr().out.splitlines()) == 1
-    from export.layout import export_lock
+    from keras_transformer_export.layout import export_lock
 
     for export_format, out in (("saved_model", exports), ("onnx", exports / "onnx")):
         with export_lock(export_format, out):
@@ -117,7 +117,7 @@ def test_second_writer_is_refused_with_the_holders_pid(trained_run, data, tmp_pa
 
 HOLDER = """
 import sys, time
-from keras_transformer.locking import WriterLock
+from keras_transformer.training.locking import WriterLock
 WriterLock(sys.argv[1]).acquire()
 print("locked", flush=True)
 time.sleep(600)

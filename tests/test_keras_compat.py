@@ -4,7 +4,7 @@ import keras
 import numpy as np
 
 import keras_transformer as kt
-from keras_transformer.keras_compat import model_bytes, weights_bytes
+from keras_transformer.utils.keras_compat import model_bytes, weights_bytes
 
 
 def _compiled_tiny():

@@ -12,7 +12,8 @@ import onnxruntime
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from export.graph_rewrites import (
+from keras_transformer import cli
+from keras_transformer_export.graph_rewrites import (
     all_graphs,
     collapse_tensordots,
     count_nodes,
@@ -20,9 +21,8 @@ from export.graph_rewrites import (
     hoist_loop_invariants,
     select_with_where,
 )
-from export.onnx_runtime import OnnxTranslator
-from export.quantization import BleuGate, QuantizationRefused, count_quantized
-from keras_transformer import cli
+from keras_transformer_export.onnx_runtime import OnnxTranslator
+from keras_transformer_export.quantization import BleuGate, QuantizationRefused, count_quantized
 
 
 def _loop_model():
@@ -85,8 +85,8 @@ def test_hoisting_reads_weights_from_outside_the_loop_and_keeps_the_results():
     np.testing.assert_array_equal(_run(hoisted, x=x, n=n), before)
 
 
-# `export.onnx.convert` (tf2onnx) is tested by tests/test_export.py; here it returns the graphs
-# that test's float32 export wrote, so that these tests pay for quantization and the gate only.
+# `keras_transformer_export.onnx.convert` (tf2onnx) is tested by tests/test_export.py; here it returns
+# the graphs that test's float32 export wrote, so that these tests pay for quantization and the gate only.
 CONVERTED = {
     "forward": "forward",
     "translate_ids": "translate",
@@ -97,9 +97,9 @@ CONVERTED = {
 
 @pytest.fixture(scope="module")
 def converted(exported):
-    import export.onnx
+    import keras_transformer_export.onnx
 
-    real = export.onnx.convert
+    real = keras_transformer_export.onnx.convert
 
     def convert(graphs, name, extra_opset=None):
         if name in CONVERTED:
@@ -107,7 +107,7 @@ def converted(exported):
         return real(graphs, name, extra_opset)  # the text graph's tokenizer part
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(export.onnx, "convert", convert)
+        patch.setattr(keras_transformer_export.onnx, "convert", convert)
         yield exported[1]
 
 

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from keras_transformer.portable_ops import write_at
+from keras_transformer.layers.portable_ops import write_at
 
 
 @pytest.mark.parametrize("length_new,start", [(1, 0), (1, 5), (3, 0), (3, 2), (6, 0)])

@@ -3,7 +3,7 @@ import pytest
 import tensorflow as tf
 
 import keras_transformer as kt
-from keras_transformer.tokenizer import Tokenizer
+from keras_transformer.data.tokenizer import Tokenizer
 
 
 def _lines(path):
@@ -122,9 +122,9 @@ def test_vocabulary_too_small_for_the_characters_is_reported():
 def test_default_vocabulary_is_capped_to_the_built_in_corpus_but_an_explicit_one_is_not():
     """`train --data synthetic` with the defaults works (the corpus supports fewer than 8000
     pieces); an explicit `--vocab-size` that is too large stays an error."""
-    from keras_transformer.data import load_corpus
-    from keras_transformer.trainer import _train_and_validation, _train_tokenizer
-    from keras_transformer.validation import UserError
+    from keras_transformer.data.corpora import load_corpus
+    from keras_transformer.training.trainer import _train_and_validation, _train_tokenizer
+    from keras_transformer.utils.checks import UserError
 
     lines = []
     pairs, _ = _train_and_validation(load_corpus("synthetic", None, "en", "de"), lines.append)

@@ -13,7 +13,7 @@ import keras
 import numpy as np
 import pytest
 
-from keras_transformer.trainer import TrainingOptions, train
+from keras_transformer.training.trainer import TrainingOptions, train
 
 TINY = ["--preset", "tiny", "--vocab-size", "300", "--batch-tokens", "512", "--warmup-steps", "50"]
 
@@ -224,8 +224,8 @@ def test_grad_accum_and_mixed_precision_train_through_the_trainer(
 
 
 def test_resume_without_vocab_size_accepts_the_stored_vocabulary():
-    from keras_transformer.trainer import _check_same_run, _jsonable
-    from keras_transformer.validation import UserError
+    from keras_transformer.training.trainer import _check_same_run, _jsonable
+    from keras_transformer.utils.checks import UserError
 
     stored = _jsonable(TrainingOptions(out="r", vocab_size=8000))
     _check_same_run(stored, TrainingOptions(out="r"))  # the default: whatever was stored
@@ -234,7 +234,7 @@ def test_resume_without_vocab_size_accepts_the_stored_vocabulary():
 
 
 def test_time_budget_counts_the_time_a_resumed_run_already_spent():
-    from keras_transformer.trainer import TimeBudget
+    from keras_transformer.training.trainer import TimeBudget
 
     class Model:
         stop_training = False

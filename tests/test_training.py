@@ -4,6 +4,7 @@ import pytest
 import tensorflow as tf
 
 import keras_transformer as kt
+from keras_transformer.training.fused_step import FusedOutputLossStep
 
 
 def test_tiny_preset_learns_to_reverse_sequences_with_fit(reverse_model):
@@ -71,7 +72,7 @@ def _train_steps(fused, jit_compile=False, tie_output=True, metrics=None, sample
         model.compile(
             optimizer=keras.optimizers.SGD(0.5), loss=model.loss, metrics=metrics, jit_compile=jit_compile
         )
-    model.fused_output_loss = fused
+    model.fused_step = FusedOutputLossStep() if fused else None
     steps = [
         model.train_on_batch(inputs, labels, sample_weight=sample_weight, return_dict=True) for _ in range(2)
     ]
@@ -84,7 +85,8 @@ def test_fused_projection_and_loss_train_like_the_logits_path(jit_compile, tie_o
     """`train_step`'s fused path (no logits, padding skipped) == Keras' step on logits:
     the logged loss and accuracy, and every weight after two SGD steps."""
     model, fused_steps, fused = _train_steps(True, jit_compile, tie_output)
-    assert model._fused_loss_function(None) is model.loss  # the fused path ran
+    assert model.fused_step.fusable_loss(model, None) == (model.loss, None)  # the fused path ran
+    assert model.fused_step.fallback_reason is None
     _, logit_steps, expected = _train_steps(False, jit_compile, tie_output)
     for fused_logs, logs in zip(fused_steps, logit_steps):
         assert fused_logs.keys() == logs.keys() == {"loss", "token_accuracy"}
@@ -94,13 +96,27 @@ def test_fused_projection_and_loss_train_like_the_logits_path(jit_compile, tie_o
         np.testing.assert_allclose(fused[path], weight, atol=2e-5, err_msg=path)
 
 
-def test_train_step_falls_back_to_logits_for_what_it_cannot_fuse():
-    model, steps, _ = _train_steps(True, metrics=[kt.MaskedTokenAccuracy(), "sparse_categorical_accuracy"])
-    assert model._fused_loss_function(None) is None
+def test_train_step_falls_back_to_logits_for_what_it_cannot_fuse(caplog):
+    """Where the fused step cannot compute what was compiled, Keras' step runs, and the log says why."""
+    metrics = [kt.MaskedTokenAccuracy(), "sparse_categorical_accuracy"]
+    with caplog.at_level("WARNING", logger="keras_transformer"):
+        model, steps, _ = _train_steps(True, metrics=metrics)
+    assert model.fused_step.fallback_reason == "a compiled metric is not MaskedTokenAccuracy(pad_id)"
+    assert "not fused: a compiled metric is not MaskedTokenAccuracy" in caplog.text
     assert {"token_accuracy", "sparse_categorical_accuracy"} <= set(steps[-1])
     model, steps, _ = _train_steps(True, sample_weight=np.linspace(0.5, 1.5, 16))
-    assert model._fused_loss_function(np.ones(16)) is None
+    assert model.fused_step.fusable_loss(model, np.ones(16)) == (None, "sample weights are given")
     assert np.isfinite(steps[-1]["loss"])
+
+
+def test_compile_transformer_chooses_the_step_explicitly():
+    model = kt.Transformer.from_preset("tiny", vocab_size=30)
+    kt.compile_transformer(model)
+    assert isinstance(model.fused_step, FusedOutputLossStep)  # TensorFlow backend
+    kt.compile_transformer(model, fused_step=False)
+    assert model.fused_step is None
+    model.compile(optimizer="sgd", loss=kt.LabelSmoothedCrossEntropy())
+    assert model.fused_step is None  # plain `compile`: Keras' own step
 
 
 def test_peak_learning_rate_and_gradient_clipping_reach_the_optimizer():

@@ -1,0 +1,172 @@
+"""Parallel corpora: the built-in `synthetic` pair, aligned text files, and
+Multi30k EN-DE (downloaded into a cache, or read from a local copy).
+
+    load_corpus("synthetic")
+    load_corpus("files:train.src,train.tgt")
+    load_corpus("multi30k", data_dir="../shared/data/multi30k", source_lang="en", target_lang="de")
+
+A `Corpus` holds splits of (sources, targets) string lists. Every problem
+with the input is a `CorpusError` (a `UserError`) whose message names the
+file, the line and what to do. `batching.py` turns a split into batches for
+`model.fit` (`make_dataset`, `TokenizedPairs`).
+"""
+
+import dataclasses
+import gzip
+import hashlib
+import os
+import pathlib
+import shutil
+import tempfile
+import urllib.error
+import urllib.request
+
+from keras_transformer.data.synthetic import SyntheticLanguagePair
+from keras_transformer.utils.checks import UserError
+
+DATASETS = ("synthetic", "multi30k", "files:SRC,TGT")
+SYNTHETIC_SIZES = {"train": 20000, "val": 500, "test": 500}
+MULTI30K_URL = "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/{name}.gz"
+MULTI30K_SPLITS = {"train": "train", "val": "val", "test": "test2016"}
+MULTI30K_SHA256 = {
+    "train.en": "460a15fbd157e34a7a9957ee388c1ca247fe47af3ef25fb50442af6c274e0fc6",
+    "train.de": "2c2b73fd2b548fbcde3a875e0a78d6ee94d498bfdee6bd3eae3945779e9ddf72",
+    "val.en": "1f2a23d992769b5b3d209b0a10dd0b77c08cceb1f20dfb97ed0aafa49d107227",
+    "val.de": "660e09eb7e1da2f856ea13ee5ad3cf6d36b3d5b0b733c857e94c5747a3dfc660",
+    "test2016.en": "399a4382932c1aadd3ceb9bef1008d388a64c76d4ae4e9d4728c6f4301cac182",
+    "test2016.de": "4be6b5b3236b79c25475c6bb829800a7ce559e9ba7a1f6c2394fe4d40be46d16",
+}
+
+
+class CorpusError(UserError):
+    """A corpus that cannot be used, with a message that says why and what to do."""
+
+
+@dataclasses.dataclass
+class Corpus:
+    """Named splits of aligned sentences: `splits[name] = (sources, targets)`."""
+
+    splits: dict
+    source_lang: str = "src"
+    target_lang: str = "tgt"
+
+    def __getitem__(self, name):
+        if name not in self.splits:
+            raise CorpusError(f"This corpus has no split {name!r}; it has {sorted(self.splits)}.")
+        return self.splits[name]
+
+
+def cache_dir():
+    """Where downloads go: $KERAS_TRANSFORMER_CACHE or ~/.cache/keras_transformer."""
+    return pathlib.Path(
+        os.environ.get("KERAS_TRANSFORMER_CACHE", pathlib.Path.home() / ".cache" / "keras_transformer")
+    )
+
+
+def load_corpus(dataset, data_dir=None, source_lang="en", target_lang="de", seed=0):
+    """Loads `synthetic`, `multi30k` or `files:SRC,TGT` (see the module docstring)."""
+    if dataset == "synthetic":
+        splits = SyntheticLanguagePair().corpus(SYNTHETIC_SIZES, seed=seed)
+        corpus = Corpus(splits, "en", "de")
+        return corpus if (source_lang, target_lang) != ("de", "en") else _swap(corpus)
+    if dataset == "multi30k":
+        return _multi30k(data_dir, source_lang, target_lang)
+    if dataset.startswith("files:"):
+        paths = dataset[len("files:") :].split(",")
+        if len(paths) != 2 or not all(paths):
+            raise CorpusError(f"files: takes two comma-separated paths (files:SRC,TGT); got {dataset!r}.")
+        return Corpus({"train": read_parallel_files(*paths)}, source_lang, target_lang)
+    raise CorpusError(f"Unknown dataset {dataset!r}; use one of {list(DATASETS)}.")
+
+
+def _swap(corpus):
+    return Corpus(
+        {name: (targets, sources) for name, (sources, targets) in corpus.splits.items()},
+        corpus.target_lang,
+        corpus.source_lang,
+    )
+
+
+def read_lines(path):
+    """The lines of a UTF-8 text file, stripped; `CorpusError` on a missing or non-UTF-8 file."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise CorpusError(f"{path}: no such file.")
+    lines = []
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            try:
+                lines.append(raw.decode("utf-8").strip())
+            except UnicodeDecodeError as error:
+                raise CorpusError(
+                    f"{path}, line {number}: not valid UTF-8 ({error.reason} at byte "
+                    f"{error.start}); convert the file to UTF-8, e.g. with iconv."
+                ) from None
+    return lines
+
+
+def read_parallel_files(source_path, target_path):
+    """Aligned sentences from two files, line i of one translating line i of the other."""
+    sources, targets = read_lines(source_path), read_lines(target_path)
+    if len(sources) != len(targets):
+        raise CorpusError(
+            f"{source_path} has {len(sources)} lines but {target_path} has {len(targets)}; "
+            f"line i of one must translate line i of the other."
+        )
+    if not any(sources) or not any(targets):
+        raise CorpusError(f"{source_path} / {target_path}: the corpus is empty (no non-empty line).")
+    return sources, targets
+
+
+def sha256(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _multi30k(data_dir, source_lang, target_lang):
+    languages = {"en", "de"}
+    if {source_lang, target_lang} != languages:
+        raise CorpusError(
+            f"multi30k is English-German: use --source-lang en --target-lang de "
+            f"or the reverse; got {source_lang}->{target_lang}."
+        )
+    directory = pathlib.Path(data_dir) if data_dir else cache_dir() / "multi30k"
+    for name, expected in MULTI30K_SHA256.items():
+        path = directory / name
+        if not path.is_file():
+            if data_dir:
+                raise CorpusError(
+                    f"{path}: missing from --data-dir; it should hold {', '.join(MULTI30K_SHA256)}."
+                )
+            _download(name, path)
+        if sha256(path) != expected:
+            raise CorpusError(
+                f"{path}: sha256 mismatch (expected {expected}); the file is "
+                f"corrupt or not the official Multi30k one. Delete it to download again."
+            )
+    splits = {
+        split: read_parallel_files(directory / f"{name}.{source_lang}", directory / f"{name}.{target_lang}")
+        for split, name in MULTI30K_SPLITS.items()
+    }
+    return Corpus(splits, source_lang, target_lang)
+
+
+def _download(name, path):
+    url = MULTI30K_URL.format(name=name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with urllib.request.urlopen(url, timeout=60) as response:
+            compressed = response.read()
+    except (urllib.error.URLError, OSError) as error:
+        raise CorpusError(
+            f"Could not download {url} ({error}). Offline? Put the Multi30k files "
+            f"{', '.join(MULTI30K_SHA256)} (uncompressed UTF-8) in {path.parent}, or pass "
+            f"--data-dir DIR pointing at a copy."
+        ) from None
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{name}-")
+    with os.fdopen(handle, "wb") as file:
+        file.write(gzip.decompress(compressed))
+    shutil.move(temporary, path)

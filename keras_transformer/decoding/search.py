@@ -1,0 +1,327 @@
+"""Greedy and beam search (§6.1) over a `Transformer`, as graph loops.
+
+Shape legend: batch = sentences, beam = beam_size, len_src = source positions,
+max_len = decoding steps (= output tokens, EOS included), vocab.
+
+Both searches are one `keras.ops.while_loop` with loop variables of fixed
+shape, so they run eagerly, inside `tf.function` (also `jit_compile=True`) and
+in exported graphs. With `use_cache=True` (the default) the decoder runs one
+position per step against a preallocated key/value cache (`Transformer.
+init_cache` / `decode_step`); with `use_cache=False` it re-runs over the whole
+prefix every step (as the TensorFlow tutorial does; for benchmarks, not XLA).
+
+Output length: each sentence may produce `min(source_length + max_extra_length,
+model max_length)` tokens, EOS included (§6.1: "input length + 50"); at the
+last allowed step EOS is forced, so every output ends with EOS. Tokens after
+EOS are `pad_id`.
+"""
+
+from typing import NamedTuple
+
+from keras import ops
+
+from keras_transformer.layers.masks import padding_mask
+from keras_transformer.layers.portable_ops import write_at
+from keras_transformer.utils.checks import check_positive_int
+
+NEG_INF = -1.0e9  # "impossible" log-probability; finite, so 0 * NEG_INF stays 0
+
+
+class Translations(NamedTuple):
+    """Decoded hypotheses.
+
+    ids: int32 `(batch, max_len)`, or `(batch, num_return, max_len)` when
+        `num_return > 1`; EOS-terminated, padded after EOS.
+    scores: float32 `(batch,)` / `(batch, num_return)`: log-probability divided
+        by the GNMT length penalty ((5 + length) / 6) ** alpha (greedy: alpha 0).
+    log_probs: float32, same shape: the raw log-probability of each output.
+    """
+
+    ids: object
+    scores: object
+    log_probs: object
+
+
+def greedy_search(model, source_ids, max_length=None, max_extra_length=50, min_length=0, use_cache=True):
+    """Picks the most probable token at every step.
+
+    Args:
+        model: a `Transformer`.
+        source_ids: int `(batch, len_src)`, padded with `pad_id`.
+        max_length: if given, every sentence may produce up to this many tokens
+            (capped by the model's `max_length`) instead of
+            `source_length + max_extra_length`.
+        max_extra_length: see the module docstring.
+        min_length: EOS is not allowed before this many tokens (EOS
+            included), unless the length limit forces it.
+        use_cache: incremental decoding with the key/value cache.
+
+    Returns:
+        `Translations` with ids `(batch, max_len)` and scores `(batch,)`.
+    """
+    setup = _Setup(model, source_ids, max_length, max_extra_length, min_length)
+    decoder = (_CachedDecoder if use_cache else _PrefixDecoder)(model, setup, beam_size=1)
+    batch, config = setup.batch, model.config
+    tokens = ops.full((batch, setup.max_len), config.pad_id, "int32")
+    state = (
+        0,
+        tokens,
+        ops.full((batch,), config.bos_id, "int32"),
+        ops.zeros((batch,), "float32"),
+        ops.zeros((batch,), "bool"),
+        decoder.initial_state(),
+    )
+
+    def cond(step, tokens, last, log_probs, finished, decoder_state):
+        return ops.logical_and(step < setup.max_len, ops.logical_not(ops.all(finished)))
+
+    def body(step, tokens, last, log_probs, finished, decoder_state):
+        logits, decoder_state = decoder.step(last, tokens, step, decoder_state)
+        step_log_probs = setup.constrain(ops.log_softmax(logits, axis=-1), step)  # (batch, vocab)
+        next_tokens = ops.cast(ops.argmax(step_log_probs, axis=-1), "int32")
+        next_log_probs = ops.take_along_axis(step_log_probs, next_tokens[:, None], axis=-1)[:, 0]
+        next_tokens = ops.where(finished, config.pad_id, next_tokens)
+        log_probs = log_probs + ops.where(finished, 0.0, next_log_probs)
+        tokens = write_at(tokens, next_tokens[:, None], step)
+        finished = ops.logical_or(finished, ops.equal(next_tokens, config.eos_id))
+        return step + 1, tokens, next_tokens, log_probs, finished, decoder_state
+
+    _, tokens, _, log_probs, _, _ = ops.while_loop(cond, body, state)
+    return Translations(tokens, log_probs, log_probs)
+
+
+def beam_search(
+    model,
+    source_ids,
+    beam_size=4,
+    length_penalty=0.6,
+    max_extra_length=50,
+    num_return=1,
+    max_length=None,
+    min_length=0,
+    use_cache=True,
+):
+    """Beam search with the GNMT length penalty and a pool of finished hypotheses (§6.1).
+
+    Every step expands the live hypotheses of each sentence and keeps the
+    `beam_size` best of the `beam_size * vocab` candidates; those ending in
+    EOS move to the sentence's pool of finished hypotheses (the best
+    `beam_size` by penalized score), the others stay live. A sentence is done
+    when no live hypothesis can still beat the worst one in a full pool (or
+    at its maximum length); the loop stops when all are. `beam_size=1` with
+    `length_penalty=0` gives exactly `greedy_search`'s tokens.
+
+    Args:
+        model: a `Transformer`.
+        source_ids: int `(batch, len_src)`, padded with `pad_id`.
+        beam_size: hypotheses kept per sentence (4 in the paper).
+        length_penalty: alpha of ((5 + |Y|) / 6) ** alpha (0.6 in the paper).
+        max_extra_length: output length limit = source length + this (50).
+        num_return: how many hypotheses per sentence to return (n-best).
+        max_length: optional fixed output length limit instead.
+        min_length: EOS is not allowed before this many tokens (EOS
+            included), unless the length limit forces it.
+        use_cache: incremental decoding with the key/value cache.
+
+    Returns:
+        `Translations`, best first; ids `(batch, max_len)` for `num_return=1`,
+        else `(batch, num_return, max_len)`.
+    """
+    check_positive_int("beam_size", beam_size)
+    check_positive_int("num_return", num_return)
+    if num_return > beam_size:
+        raise ValueError(f"num_return={num_return} must be <= beam_size={beam_size}.")
+    if not length_penalty >= 0:
+        raise ValueError(f"length_penalty must be a number >= 0; got {length_penalty!r}.")
+    setup = _Setup(model, source_ids, max_length, max_extra_length, min_length)
+    decoder = (_CachedDecoder if use_cache else _PrefixDecoder)(model, setup, beam_size)
+    search = _BeamSearch(model, setup, decoder, beam_size, length_penalty)
+    ids, scores, log_probs = search.run()
+    if num_return == 1:
+        return Translations(ids[:, 0], scores[:, 0], log_probs[:, 0])
+    return Translations(ids[:, :num_return], scores[:, :num_return], log_probs[:, :num_return])
+
+
+class _Setup:
+    """Encodes the source once and works out the output length limits."""
+
+    def __init__(self, model, source_ids, max_length, max_extra_length, min_length):
+        for name, value in (("max_extra_length", max_extra_length), ("min_length", min_length)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0; got {value!r}.")
+        self.min_length = min_length
+        if max_length is not None:
+            check_positive_int("max_length", max_length)
+        config = model.config
+        self.config = config
+        self.source_ids = ops.cast(ops.convert_to_tensor(source_ids), "int32")
+        if len(self.source_ids.shape) != 2:
+            raise ValueError(f"source_ids must have shape (batch, length); got {self.source_ids.shape}.")
+        self.batch = ops.shape(self.source_ids)[0]
+        self.memory_mask = padding_mask(self.source_ids, config.pad_id)  # (batch, 1, len_src)
+        self.memory = model.encode(self.source_ids, training=False)  # (batch, len_src, d_model)
+        if max_length is None:
+            lengths = ops.sum(ops.cast(ops.not_equal(self.source_ids, config.pad_id), "int32"), axis=1)
+            limits = lengths + max_extra_length
+            source_length = self.source_ids.shape[1]
+            if source_length is None:  # unknown until run time (exported graphs)
+                source_length = ops.shape(self.source_ids)[1]
+                self.max_len = ops.clip(source_length + max_extra_length, 1, config.max_length)
+            else:  # a Python int: static shapes for XLA
+                self.max_len = max(1, min(source_length + max_extra_length, config.max_length))
+        else:
+            limits = ops.full((self.batch,), max_length, "int32")
+            self.max_len = min(max_length, config.max_length)
+        self.limits = ops.clip(limits, 1, config.max_length)  # (batch,) tokens incl. EOS
+        ids = ops.arange(config.target_vocab)
+        self.is_eos = ops.equal(ids, config.eos_id)  # (vocab,)
+        self.not_eos = ops.logical_not(self.is_eos)
+        # Padding and BOS are never outputs: a generated pad would also make cached
+        # decoding (no target padding mask) differ from a full forward pass.
+        self.never = ops.logical_or(ops.equal(ids, config.pad_id), ops.equal(ids, config.bos_id))
+
+    def constrain(self, log_probs, step):
+        """Applies the output rules to one step's log-probabilities.
+
+        Pad and BOS are impossible; EOS is impossible before `min_length`
+        tokens, and the only possibility at a sentence's last allowed step.
+        The other log-probabilities are not renormalized (as fairseq does).
+        log_probs: `(batch, vocab)` or `(batch, beam, vocab)`.
+        """
+        last = ops.greater_equal(step, self.limits - 1)  # (batch,)
+        last = ops.reshape(last, (-1,) + (1,) * (len(log_probs.shape) - 1))
+        log_probs = ops.where(self.never, NEG_INF, log_probs)
+        if self.min_length > 1:
+            too_early = ops.logical_and(self.is_eos, step < self.min_length - 1)
+            log_probs = ops.where(too_early, NEG_INF, log_probs)
+        return ops.where(ops.logical_and(last, self.not_eos), NEG_INF, log_probs)
+
+
+def _repeat(tensor, times):
+    """`(batch, ...)` -> `(batch * times, ...)`, each row repeated `times` times in a row."""
+    return tensor if times == 1 else ops.repeat(tensor, times, axis=0)
+
+
+class _CachedDecoder:
+    """One position per step; the key/value cache is reordered with the beams."""
+
+    def __init__(self, model, setup, beam_size):
+        self.model, self.setup, self.beam_size = model, setup, beam_size
+        self.memory_mask = _repeat(setup.memory_mask, beam_size)
+
+    def initial_state(self):
+        cache = self.model.init_cache(self.setup.memory, self.setup.max_len)  # per sentence
+        return {name: [_repeat(t, self.beam_size) for t in tensors] for name, tensors in cache.items()}
+
+    def step(self, last_tokens, prefix, step, cache):
+        return self.model.decode_step(last_tokens, step, cache, self.memory_mask)
+
+    @staticmethod
+    def reorder(cache, flat_beam_index):
+        """Gathers the self-attention caches by beam origin (cross-attention ones never change)."""
+        return {
+            **cache,
+            **{
+                name: [ops.take(t, flat_beam_index, axis=0) for t in cache[name]]
+                for name in ("self_key", "self_value")
+            },
+        }
+
+
+class _PrefixDecoder:
+    """No cache: re-runs the decoder over BOS + the whole prefix every step."""
+
+    def __init__(self, model, setup, beam_size):
+        self.model, self.setup, self.beam_size = model, setup, beam_size
+        self.memory = _repeat(setup.memory, beam_size)
+        self.memory_mask = _repeat(setup.memory_mask, beam_size)
+
+    def initial_state(self):
+        return ops.zeros((), "int32")  # nothing to carry
+
+    def step(self, last_tokens, prefix, step, state):
+        prefix = ops.reshape(prefix, (-1, ops.shape(prefix)[-1]))  # (batch * beam, max_len)
+        bos = ops.full((ops.shape(prefix)[0], 1), self.model.config.bos_id, "int32")
+        inputs = ops.concatenate([bos, prefix[:, :step]], axis=1)  # (batch * beam, step + 1)
+        logits = self.model._decode(inputs, self.memory, self.memory_mask, training=False)
+        return logits[:, -1], state
+
+    @staticmethod
+    def reorder(state, flat_beam_index):
+        return state
+
+
+class _BeamSearch:
+    """The beam-search loop; state tensors are `(batch, beam, ...)`."""
+
+    def __init__(self, model, setup, decoder, beam_size, length_penalty):
+        self.config, self.setup, self.decoder = model.config, setup, decoder
+        self.beam_size, self.alpha = beam_size, float(length_penalty)
+
+    def penalty(self, length):
+        """GNMT length penalty ((5 + length) / 6) ** alpha."""
+        return ops.power((5.0 + ops.cast(length, "float32")) / 6.0, self.alpha)
+
+    def run(self):
+        batch, beam, config = self.setup.batch, self.beam_size, self.config
+        sequences = ops.full((batch, beam, self.setup.max_len), config.pad_id, "int32")
+        only_first = ops.concatenate([ops.zeros((1,)), ops.full((beam - 1,), NEG_INF)], axis=0)
+        state = dict(
+            step=ops.zeros((), "int32"),
+            alive=sequences,
+            alive_log_probs=ops.tile(only_first[None], (batch, 1)),  # (batch, beam)
+            last=ops.full((batch * beam,), config.bos_id, "int32"),
+            finished=sequences,
+            finished_scores=ops.full((batch, beam), NEG_INF),
+            finished_log_probs=ops.full((batch, beam), NEG_INF),
+            decoder_state=self.decoder.initial_state(),
+        )
+        final = ops.while_loop(lambda s: self._not_done(s), lambda s: (self._step(s),), (state,))[0]
+        return final["finished"], final["finished_scores"], final["finished_log_probs"]
+
+    def _not_done(self, state):
+        # A live hypothesis can at best keep its log-probability and get the
+        # largest length penalty allowed for its sentence.
+        best_alive = state["alive_log_probs"][:, 0] / self.penalty(self.setup.limits)
+        worst_finished = state["finished_scores"][:, -1]
+        sentence_done = ops.logical_or(
+            ops.greater_equal(worst_finished, best_alive),
+            ops.greater_equal(state["step"], self.setup.limits),
+        )
+        return ops.logical_and(state["step"] < self.setup.max_len, ops.logical_not(ops.all(sentence_done)))
+
+    def _step(self, state):
+        batch, beam, step = self.setup.batch, self.beam_size, state["step"]
+        logits, decoder_state = self.decoder.step(state["last"], state["alive"], step, state["decoder_state"])
+        log_probs = ops.reshape(ops.log_softmax(logits, axis=-1), (batch, beam, -1))
+        log_probs = self.setup.constrain(log_probs, step)
+        vocab = ops.shape(log_probs)[-1]
+        candidates = ops.reshape(state["alive_log_probs"][:, :, None] + log_probs, (batch, -1))
+        top_log_probs, top_index = ops.top_k(candidates, k=beam)  # (batch, beam)
+        origin = top_index // vocab  # which live hypothesis each candidate extends
+        tokens = ops.cast(top_index % vocab, "int32")
+        sequences = ops.take_along_axis(state["alive"], origin[:, :, None], axis=1)
+        at_step = ops.equal(ops.arange(ops.shape(sequences)[-1]), step)  # (max_len,)
+        sequences = ops.where(at_step, tokens[:, :, None], sequences)
+        is_eos = ops.equal(tokens, self.config.eos_id)
+
+        # Candidates ending in EOS join the pool of finished hypotheses.
+        eos_log_probs = ops.where(is_eos, top_log_probs, NEG_INF)
+        pool_scores = ops.concatenate(
+            [state["finished_scores"], eos_log_probs / self.penalty(step + 1)], axis=1
+        )
+        pool_log_probs = ops.concatenate([state["finished_log_probs"], eos_log_probs], axis=1)
+        pool = ops.concatenate([state["finished"], sequences], axis=1)
+        finished_scores, keep = ops.top_k(pool_scores, k=beam)
+        # The others stay live; a slot whose candidate finished is dead this step.
+        flat_origin = ops.reshape(ops.arange(batch)[:, None] * beam + origin, (-1,))
+        return dict(
+            step=step + 1,
+            alive=sequences,
+            alive_log_probs=ops.where(is_eos, NEG_INF, top_log_probs),
+            last=ops.reshape(tokens, (-1,)),
+            finished=ops.take_along_axis(pool, keep[:, :, None], axis=1),
+            finished_scores=finished_scores,
+            finished_log_probs=ops.take_along_axis(pool_log_probs, keep, axis=1),
+            decoder_state=self.decoder.reorder(decoder_state, flat_origin),
+        )

@@ -1,0 +1,81 @@
+"""Text in, text out: tokenize, beam search (§6.1) in a compiled graph,
+detokenize; what `keras-transformer translate` and `evaluate` run.
+
+Sentences are sorted by length and translated in batches (less padding),
+then put back in input order. A source longer than the model's `max_length`
+ids is truncated to it (EOS kept last): the model has no positions beyond.
+"""
+
+import numpy as np
+import tensorflow as tf
+
+from keras_transformer.decoding.search import beam_search
+
+
+class Translator:
+    """Translates lists of strings with a trained `Transformer` and its `Tokenizer`.
+
+    Args:
+        model: a `Transformer`.
+        tokenizer: the run's `Tokenizer`.
+        beam_size, length_penalty, max_extra_length: of `beam_search` (4, 0.6, 50).
+        batch_size: sentences per beam-search call.
+        jit_compile: compile the search with XLA.
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        beam_size=4,
+        length_penalty=0.6,
+        max_extra_length=50,
+        batch_size=64,
+        jit_compile=False,
+    ):
+        self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
+        self.max_source_length = model.config.max_length
+
+        def search(source_ids):  # (batch, len_src) -> ids (batch, max_len), scores (batch,)
+            result = beam_search(
+                model,
+                source_ids,
+                beam_size=beam_size,
+                length_penalty=length_penalty,
+                max_extra_length=max_extra_length,
+            )
+            return result.ids, result.scores
+
+        self._search = tf.function(
+            search, input_signature=[tf.TensorSpec([None, None], tf.int32)], jit_compile=jit_compile
+        )
+
+    def encode(self, sentences):
+        """Strings -> padded source ids `(batch, len_src)`, EOS-terminated, truncated to max_length."""
+        return self.tokenizer.encode(
+            tf.constant(list(sentences), tf.string),
+            max_length=self.max_source_length,
+            pad_to_max_length=False,
+        )
+
+    def translate(self, sentences, progress=None):
+        """Translations of `sentences` (a list of str) as `(texts, scores)`, in input order.
+
+        `progress`, if given, is called with the number of sentences done after
+        every batch.
+        """
+        sentences = list(sentences)
+        texts, scores = [""] * len(sentences), np.zeros(len(sentences), np.float32)
+        if not sentences:
+            return texts, scores
+        lengths = self.tokenizer.tokenize(tf.constant(sentences, tf.string)).row_lengths().numpy()
+        order = np.argsort(lengths, kind="stable")
+        for start in range(0, len(order), self.batch_size):
+            indices = order[start : start + self.batch_size]
+            ids, batch_scores = self._search(self.encode([sentences[i] for i in indices]))
+            decoded = self.tokenizer.decode(ids).numpy()
+            for index, text, score in zip(indices, decoded, batch_scores.numpy()):
+                texts[index], scores[index] = text.decode("utf-8"), score
+            if progress is not None:
+                progress(min(start + self.batch_size, len(order)))
+        return texts, scores

@@ -1,0 +1,138 @@
+"""The package's dependencies point one way (issue 16):
+
+    utils <- layers <- model <- decoding, training objective <- data <- training runs,
+    evaluation, plots <- cli;  keras_transformer_export (the `export/` folder) outside,
+    importing the library, never imported by it.
+
+Read from the source (every `import`, also those inside functions), so a new
+module that breaks the direction fails here, not in a user's circular import.
+Also: `import keras_transformer` on another backend does not import TensorFlow.
+"""
+
+import ast
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = os.path.join(ROOT, "keras_transformer")
+
+# What each part may import from the package (besides itself).
+ALLOWED = {
+    "utils": set(),
+    "layers": {"utils"},
+    "model": {"utils", "layers"},
+    "decoding": {"utils", "layers", "model"},
+    "training.objective": {"utils", "layers", "model"},
+    "data": {"utils"},
+    "training": {"utils", "layers", "model", "decoding", "training.objective", "data", "evaluation", "plots"},
+    "evaluation": {"utils"},
+    "plots": {"utils"},
+    "cli": {
+        "utils",
+        "layers",
+        "model",
+        "decoding",
+        "training.objective",
+        "data",
+        "training",
+        "evaluation",
+        "plots",
+    },
+    "__init__": {
+        "utils",
+        "layers",
+        "model",
+        "decoding",
+        "training.objective",
+        "data",
+        "training",
+        "evaluation",
+    },
+}
+OBJECTIVE = {"losses", "schedules", "optimizer", "fused_step"}  # training modules the model core may see
+
+# Deliberate upward imports, each made at call time, with the reason.
+EXCEPTIONS = {
+    # `Transformer.translate_ids` is a convenience over `beam_search` (DESIGN.md).
+    ("keras_transformer/model/transformer.py", "decoding"),
+}
+
+
+def _part(module):
+    """`keras_transformer.training.losses` -> `training.objective`; `keras_transformer.cli` -> `cli`."""
+    names = module.split(".")[1:]
+    if not names:
+        return "__init__"
+    if names[0] == "training" and len(names) > 1 and names[1] in OBJECTIVE:
+        return "training.objective"
+    return names[0]
+
+
+def _modules():
+    for directory, _, files in os.walk(PACKAGE):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(directory, name)
+                relative = os.path.relpath(path, ROOT)
+                module = relative[: -len(".py")].replace(os.sep, ".")
+                yield relative, module.removesuffix(".__init__")
+
+
+def _imports(path):
+    tree = ast.parse(open(path, encoding="utf-8").read(), path)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module
+            # `from keras_transformer import cli` imports the module `keras_transformer.cli`.
+            yield from (f"{node.module}.{alias.name}" for alias in node.names)
+
+
+def test_the_layout_has_the_parts_the_rules_name():
+    parts = {_part(module) for _, module in _modules()}
+    assert parts == set(ALLOWED), parts ^ set(ALLOWED)
+
+
+@pytest.mark.parametrize("relative,module", sorted(_modules()))
+def test_dependencies_point_one_way(relative, module):
+    here = _part(module)
+    wrong = set()
+    for imported in _imports(os.path.join(ROOT, relative)):
+        if imported.split(".")[0] in ("export", "keras_transformer_export"):
+            wrong.add(imported)
+        elif imported.startswith("keras_transformer.") and imported.count(".") >= 1:
+            there = _part(imported)
+            is_module = os.path.exists(os.path.join(ROOT, *imported.split("."))) or os.path.exists(
+                os.path.join(ROOT, *imported.split(".")) + ".py"
+            )
+            if not is_module:
+                continue  # a name imported from a module, counted with its module
+            if there != here and there not in ALLOWED[here] and (relative, there) not in EXCEPTIONS:
+                wrong.add(imported)
+    assert not wrong, f"{relative} ({here}) must not import {sorted(wrong)}"
+
+
+def test_import_does_not_import_tensorflow_on_other_backends():
+    pytest.importorskip("jax")
+    code = (
+        "import sys, keras_transformer as kt\n"
+        "kt.Transformer.from_preset('tiny', vocab_size=40)\n"
+        "assert 'tensorflow' not in sys.modules, 'TensorFlow was imported'\n"
+        "kt.Tokenizer\n"
+        "assert 'tensorflow' in sys.modules\n"
+    )
+    environment = dict(os.environ, KERAS_BACKEND="jax")
+    result = subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_missing_tensorflow_is_one_line(monkeypatch):
+    from keras_transformer.utils import tensorflow
+
+    monkeypatch.setitem(sys.modules, "tensorflow", None)  # `import tensorflow` raises ImportError
+    with pytest.raises(tensorflow.TensorFlowMissing, match=r"^tf\.data pipelines needs TensorFlow.*\n?$"):
+        tensorflow.import_tensorflow("tf.data pipelines")
