@@ -28,9 +28,12 @@ import tensorflow as tf
 
 from keras_transformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
 from keras_transformer.decoding.search import beam_search
+from keras_transformer.layers.decoding_cache import DecodingCache
 from keras_transformer.layers.masks import padding_mask
 from keras_transformer.model.transformer import Transformer
+from keras_transformer.utils import keras_compat
 from keras_transformer.utils.checks import UserError
+from keras_transformer_export.cache_names import CACHE_INPUTS, cross_names, present_names
 
 
 def float32_model(model):
@@ -40,7 +43,7 @@ def float32_model(model):
     loses nothing; exported graphs then have float32 inputs, logits and
     caches on every runtime (ONNX Runtime's CPU provider has few half-precision kernels).
     """
-    if all(layer.compute_dtype == "float32" for layer in model._flatten_layers()):  # self included
+    if all(layer.compute_dtype == "float32" for layer in (model, *keras_compat.sublayers(model))):
         return model
     config = model.get_config()
     config["dtype"] = "float32"
@@ -115,7 +118,7 @@ class TranslationGraphs:
     @staticmethod
     def cache_names():
         """Kinds of decoder_step cache inputs: past self-attention, then cross-attention keys/values."""
-        return ("past_key", "past_value", "cross_key", "cross_value")
+        return CACHE_INPUTS
 
     # ------------------------------------------------------------- functions
     def translate_text(self, text):
@@ -168,11 +171,11 @@ class TranslationGraphs:
         """
         memory = self.model.encode(source_ids, training=False)
         cache = self.model.init_cache(memory, 1)
-        outputs = {"memory_mask": padding_mask(source_ids, self.config.pad_id)}
-        for kind in ("cross_key", "cross_value"):
-            for i, tensor in enumerate(cache[kind]):
-                outputs[f"{kind}_{i}"] = tensor
-        return outputs
+        cross = cache.cross_key + cache.cross_value
+        return {
+            "memory_mask": padding_mask(source_ids, self.config.pad_id),
+            **dict(zip(cross_names(self.num_layers), cross)),
+        }
 
     def decoder_step(self, token_ids, step, memory_mask, *caches):
         """One cached decoding step: logits for position `step + 1` and the updated self caches.
@@ -184,17 +187,10 @@ class TranslationGraphs:
         that beam search adds up, computed here so that every runtime rounds it
         the same way), and `present_key_i`, `present_value_i`.
         """
-        n = self.num_layers
-        cache = {
-            kind: list(caches[k * n : (k + 1) * n])
-            for k, kind in enumerate(("self_key", "self_value", "cross_key", "cross_value"))
-        }
+        cache = DecodingCache.from_flat(caches, self.num_layers)
         logits, cache = self.model.decode_step(token_ids, step, cache, memory_mask)
-        outputs = {"logits": logits, "log_probs": tf.nn.log_softmax(logits, axis=-1)}
-        for kind, name in (("self_key", "present_key"), ("self_value", "present_value")):
-            for i, tensor in enumerate(cache[kind]):
-                outputs[f"{name}_{i}"] = tensor
-        return outputs
+        present = dict(zip(present_names(self.num_layers), cache.self_key + cache.self_value))
+        return {"logits": logits, "log_probs": tf.nn.log_softmax(logits, axis=-1), **present}
 
     # ------------------------------------------------------------- helpers
     def write_assets(self, directory, **extra):

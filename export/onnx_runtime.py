@@ -28,6 +28,8 @@ import os
 
 import numpy as np
 
+from keras_transformer_export.cache_names import cross_names, past_names, present_names
+
 NEG_INF = np.float32(-1.0e9)  # as keras_transformer.decoding.search
 UNK_ID = 1  # kept by detokenization (keras_transformer.data.tokenizer)
 
@@ -104,13 +106,11 @@ class SplitBeamSearch:
         )
         n, heads, depth = self.num_layers, config["num_heads"], config["d_model"] // config["num_heads"]
         feed = {"memory_mask": np.repeat(encoded["memory_mask"], beam, axis=0)}
-        for kind in ("cross_key", "cross_value"):
-            for i in range(n):
-                feed[f"{kind}_{i}"] = np.repeat(encoded[f"{kind}_{i}"], beam, axis=0)
+        for name in cross_names(n):
+            feed[name] = np.repeat(encoded[name], beam, axis=0)
         empty_cache = np.zeros((batch * beam, max_len, heads, depth), np.float32)
-        for kind in ("past_key", "past_value"):
-            for i in range(n):
-                feed[f"{kind}_{i}"] = empty_cache
+        for name in past_names(n):
+            feed[name] = empty_cache
 
         alive = np.full((batch, beam, max_len), pad, np.int32)
         alive_log_probs = np.tile(np.array([0.0] + [NEG_INF] * (beam - 1), np.float32), (batch, 1))
@@ -158,9 +158,8 @@ class SplitBeamSearch:
             alive_log_probs = np.where(is_eos, NEG_INF, top_log_probs).astype(np.float32)
             last = tokens.reshape(-1)
             flat_origin = (rows * beam + origin).reshape(-1)
-            for i in range(n):
-                feed[f"past_key_{i}"] = outputs[f"present_key_{i}"][flat_origin]
-                feed[f"past_value_{i}"] = outputs[f"present_value_{i}"][flat_origin]
+            for past, present in zip(past_names(n), present_names(n)):
+                feed[past] = outputs[present][flat_origin]
         return finished[:, 0], finished_scores[:, 0]
 
 

@@ -7,13 +7,14 @@
 #
 #   scripts/reproduce_multi30k.sh [DATA_DIR] [RUN_DIR] [TRAIN_MINUTES]
 #
-# DATA_DIR defaults to ../shared/data/multi30k (a local copy of the official
-# files); give `-` to download Multi30k into the cache instead. Killed, the
+# DATA_DIR defaults to `-`: Multi30k downloaded into the cache (checked by
+# sha256); give a directory with a local copy of the official files instead
+# (e.g. path/to/multi30k). Killed, the
 # same command resumes: training continues from its last saved state
 # (--resume), and the evaluation steps are re-run. Results: RUN_DIR/results.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-DATA_DIR=${1:-../shared/data/multi30k}
+DATA_DIR=${1:--}
 RUN=${2:-runs/multi30k}
 MINUTES=${3:-100}
 BIN=${BIN:-.venv/bin}

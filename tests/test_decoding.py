@@ -43,12 +43,12 @@ def test_cross_attention_keys_are_computed_once_and_self_cache_fills_in_place():
     model = kt.Transformer.from_preset("tiny", vocab_size=30)
     source = np.array([[5, 6, 7]], "int32")
     cache = model.init_cache(model.encode(source), max_length=6)
-    assert cache["self_key"][0].shape == (1, 6, 4, 16)
-    assert cache["cross_key"][0].shape == (1, 3, 4, 16)
+    assert cache.self_key[0].shape == (1, 6, 4, 16)
+    assert cache.cross_key[0].shape == (1, 3, 4, 16)
     _, after = model.decode_step(np.array([2], "int32"), 0, cache, kt.padding_mask(source))
-    written = np.abs(np.asarray(after["self_key"][0])).sum(axis=(0, 2, 3))
+    written = np.abs(np.asarray(after.self_key[0])).sum(axis=(0, 2, 3))
     assert written[0] > 0 and np.all(written[1:] == 0)
-    np.testing.assert_array_equal(after["cross_key"][1], cache["cross_key"][1])
+    np.testing.assert_array_equal(after.cross_key[1], cache.cross_key[1])
 
 
 def test_beam_of_one_without_penalty_is_greedy(reverse_model):
@@ -240,3 +240,22 @@ def test_min_length_suppresses_early_eos(reverse_model):
         assert all(len(h) == 12 and h[-1] == 3 for h in _strip(result.ids))
     with pytest.raises(ValueError, match="min_length must be an integer >= 0"):
         kt.greedy_search(reverse_model.model, sources, min_length=-1)
+
+
+def test_decoding_cache_is_named_reorders_and_flattens():
+    from keras_transformer.layers.decoding_cache import DecodingCache
+
+    model = kt.Transformer.from_preset("tiny", vocab_size=40)
+    source = np.array([[5, 6, 7, 3], [8, 9, 3, 0]], "int32")
+    cache = model.init_cache(model.encode(source), max_length=5)
+    assert isinstance(cache, DecodingCache) and cache.num_layers == model.config.num_layers
+    layer = cache.layer(1)
+    assert layer.cross_key is cache.cross_key[1] and layer.self_value is cache.self_value[1]
+    _, cache = model.decode_step(np.array([2, 2], "int32"), 0, cache, kt.padding_mask(source))
+    swapped = cache.reorder(np.array([1, 0]))
+    np.testing.assert_array_equal(swapped.self_key[0][0], cache.self_key[0][1])
+    np.testing.assert_array_equal(swapped.cross_key[0], cache.cross_key[0])  # same for every beam
+    assert DecodingCache.from_flat(cache.flat(), cache.num_layers) == cache
+    assert cache.repeat(3).self_key[0].shape[0] == 6
+    with pytest.raises(ValueError, match="is 8 tensors; got 3"):
+        DecodingCache.from_flat(cache.flat()[:3], 2)

@@ -331,6 +331,7 @@ def test_onnx_graphs_are_valid_with_dynamic_axes(exported):
 def test_onnx_runtime_matches_keras(exported, trained_run, sentences, cli_translations):
     from keras_transformer.decoding.translator import Translator
     from keras_transformer.training.run_directory import RunDirectory, load_model
+    from keras_transformer_export.cache_names import cross_names, past_names
     from keras_transformer_export.onnx_runtime import (
         FullGraphSearch,
         OnnxTranslator,
@@ -365,16 +366,8 @@ def test_onnx_runtime_matches_keras(exported, trained_run, sentences, cli_transl
         "token_ids": np.full(4, config.bos_id, np.int32),
         "step": np.array(0, np.int32),
         "memory_mask": encoded["memory_mask"],
-        **{
-            f"{kind}_{i}": np.zeros(shape, np.float32)
-            for kind in ("past_key", "past_value")
-            for i in range(layers)
-        },
-        **{
-            f"{kind}_{i}": encoded[f"{kind}_{i}"]
-            for kind in ("cross_key", "cross_value")
-            for i in range(layers)
-        },
+        **{name: np.zeros(shape, np.float32) for name in past_names(layers)},
+        **{name: encoded[name] for name in cross_names(layers)},
     }
     step = make_session(os.path.join(onnx_dir, "decoder_step.onnx"))
     onnx_logits = step.run(["logits"], feed)[0]

@@ -82,7 +82,8 @@ def _modules():
 
 
 def _imports(path):
-    tree = ast.parse(open(path, encoding="utf-8").read(), path)
+    with open(path, encoding="utf-8") as source:
+        tree = ast.parse(source.read(), path)
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             yield from (alias.name for alias in node.names)

@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 
 import keras_transformer as kt
+from keras_transformer.training import losses as loss_functions
 
 
 def _reference_loss(labels, logits, epsilon, pad_id=0):
@@ -134,12 +135,12 @@ def test_projected_loss_equals_projecting_then_the_loss(with_bias, jit_compile):
 
     def reference(hidden, kernel, bias):
         logits = tf.matmul(hidden, kernel, transpose_b=True) + (0.0 if bias is None else bias)
-        losses = kt.losses.smoothed_cross_entropy(labels, logits, 0.1)
+        losses = loss_functions.smoothed_cross_entropy(labels, logits, 0.1)
         hits = tf.cast(tf.gather(logits, labels, batch_dims=1) >= tf.reduce_max(logits, -1), "float32")
         return tf.reduce_sum(losses * weights), tf.reduce_sum(hits * weights)
 
     def projected(hidden, kernel, bias):
-        return kt.losses.projected_smoothed_cross_entropy(
+        return loss_functions.projected_smoothed_cross_entropy(
             hidden, kernel, labels, weights, 0.1, bias=bias, chunk_size=4
         )
 
@@ -172,7 +173,7 @@ def test_projected_loss_of_only_padding_is_zero_with_zero_gradients():
     hidden, kernel = tf.constant(hidden), tf.constant(kernel)
     with tf.GradientTape() as tape:
         tape.watch([hidden, kernel])
-        total, correct = kt.losses.projected_smoothed_cross_entropy(
+        total, correct = loss_functions.projected_smoothed_cross_entropy(
             hidden, kernel, labels, np.zeros(len(labels), "float32"), 0.1, chunk_size=4
         )
     gradients = tape.gradient(total, [hidden, kernel])

@@ -210,8 +210,8 @@ class _CachedDecoder:
         self.memory_mask = _repeat(setup.memory_mask, beam_size)
 
     def initial_state(self):
-        cache = self.model.init_cache(self.setup.memory, self.setup.max_len)  # per sentence
-        return {name: [_repeat(t, self.beam_size) for t in tensors] for name, tensors in cache.items()}
+        # Per sentence, then per beam.
+        return self.model.init_cache(self.setup.memory, self.setup.max_len).repeat(self.beam_size)
 
     def step(self, last_tokens, prefix, step, cache):
         return self.model.decode_step(last_tokens, step, cache, self.memory_mask)
@@ -219,13 +219,7 @@ class _CachedDecoder:
     @staticmethod
     def reorder(cache, flat_beam_index):
         """Gathers the self-attention caches by beam origin (cross-attention ones never change)."""
-        return {
-            **cache,
-            **{
-                name: [ops.take(t, flat_beam_index, axis=0) for t in cache[name]]
-                for name in ("self_key", "self_value")
-            },
-        }
+        return cache.reorder(flat_beam_index)
 
 
 class _PrefixDecoder:

@@ -6,10 +6,30 @@ then put back in input order. A source longer than the model's `max_length`
 ids is truncated to it (EOS kept last): the model has no positions beyond.
 """
 
+from typing import NamedTuple
+
 import numpy as np
-import tensorflow as tf
 
 from keras_transformer.decoding.search import beam_search
+from keras_transformer.utils.tensorflow import import_tensorflow
+
+tf = import_tensorflow("Translator (the tf-text tokenizer in a tf.function)")
+
+
+class SentenceAttention(NamedTuple):
+    """`Translator.attention`'s result.
+
+    weights: dict of per-layer lists of `(1, num_heads, len_q, len_k)` arrays:
+        `encoder_self`, `decoder_self`, `decoder_cross` (`Transformer.attention_weights`).
+    source_pieces, target_pieces: the SentencePiece pieces along the axes
+        (the target starts with BOS).
+    target: the target sentence (the model's translation unless one was given).
+    """
+
+    weights: dict
+    source_pieces: list
+    target_pieces: list
+    target: str
 
 
 class Translator:
@@ -79,3 +99,20 @@ class Translator:
             if progress is not None:
                 progress(min(start + self.batch_size, len(order)))
         return texts, scores
+
+    def attention(self, text, target=None):
+        """Every attention head's weights for one sentence and a target (default: its translation).
+
+        Returns a `SentenceAttention` (for `plots.plot_attention`).
+        """
+        source_ids = self.encode([text]).numpy()
+        if target is None:
+            target = self.translate([text])[0][0]
+        bos = np.array([self.model.config.bos_id], np.int32)
+        target_ids = np.concatenate([bos, self.tokenizer.tokenize([target]).numpy()[0]])[None].astype("int32")
+        weights = self.model.attention_weights({"source_ids": source_ids, "target_ids": target_ids})
+        weights = {name: [np.asarray(w) for w in layers] for name, layers in weights.items()}
+        piece = self.tokenizer.processor.id_to_piece
+        return SentenceAttention(
+            weights, [piece(int(i)) for i in source_ids[0]], [piece(int(i)) for i in target_ids[0]], target
+        )

@@ -15,10 +15,6 @@ from keras_transformer.layers.residual import make_norm_and_dropout, residual_bl
 from keras_transformer.layers.stack import LayerArguments, TransformerStack
 from keras_transformer.utils.checks import register
 
-# The decoding cache: per decoder layer, the self-attention keys/values of the
-# positions decoded so far and the cross-attention keys/values of the memory.
-CACHE_KEYS = ("self_key", "self_value", "cross_key", "cross_value")
-
 
 @register
 class DecoderLayer(LayerArguments, keras.layers.Layer):
@@ -114,8 +110,8 @@ class DecoderLayer(LayerArguments, keras.layers.Layer):
 
         Args:
             inputs: `(batch, len_new, d_model)`.
-            cache: dict with `self_key`, `self_value` `(batch, max_len,
-                num_heads, depth)` (this layer's past keys/values) and
+            cache: this layer's `LayerCache`: `self_key`, `self_value`
+                `(batch, max_len, num_heads, depth)` (past keys/values) and
                 `cross_key`, `cross_value` `(batch, len_src, num_heads,
                 depth)` (the memory projected once).
             step: scalar int position of `inputs[:, 0]`.
@@ -129,15 +125,15 @@ class DecoderLayer(LayerArguments, keras.layers.Layer):
 
         def self_attend(x):
             outputs, updated["key"], updated["value"] = self.self_attention.call_with_cache(
-                x, cache["self_key"], cache["self_value"], step, self_attention_mask
+                x, cache.self_key, cache.self_value, step, self_attention_mask
             )
             return outputs
 
         def cross_attend(x):
             query = self.cross_attention.project_heads(x, "query")
-            return self.cross_attention.attend_heads(
-                query, cache["cross_key"], cache["cross_value"], memory_mask
-            )[0]
+            return self.cross_attention.attend_heads(query, cache.cross_key, cache.cross_value, memory_mask)[
+                0
+            ]
 
         x = self._sublayers(inputs, self_attend, cross_attend, training=False)
         return x, updated["key"], updated["value"]
@@ -243,9 +239,7 @@ class Decoder(TransformerStack):
         Args:
             inputs: scaled target embeddings `(batch, len_new, d_model)` of the
                 positions `step, step + 1, ...` (usually `len_new == 1`).
-            cache: from `Transformer.init_cache`: dict of per-layer lists
-                `self_key`, `self_value` `(batch, max_len, num_heads, depth)`
-                and `cross_key`, `cross_value` `(batch, len_src, num_heads, depth)`.
+            cache: a `DecodingCache` (`Transformer.init_cache`).
             step: scalar int.
             memory_mask: bool `(batch, 1, len_src)`.
 
@@ -253,13 +247,12 @@ class Decoder(TransformerStack):
             `(hidden (batch, len_new, d_model), cache)` with this step's keys
             and values written into the self-attention caches.
         """
-        max_len = keras.ops.shape(cache["self_key"][0])[1]
+        max_len = keras.ops.shape(cache.self_key[0])[1]
         self_attention_mask = causal_mask(keras.ops.shape(inputs)[1], max_len, offset=step)
         x = self.embed_positions(inputs, training=False, offset=step)
         keys, values = [], []
         for i, layer in enumerate(self.stack_layers):
-            layer_cache = {name: cache[name][i] for name in CACHE_KEYS}
-            x, key, value = layer.call_with_cache(x, layer_cache, step, self_attention_mask, memory_mask)
+            x, key, value = layer.call_with_cache(x, cache.layer(i), step, self_attention_mask, memory_mask)
             keys.append(key)
             values.append(value)
-        return self.normalize_output(x), {**cache, "self_key": keys, "self_value": values}
+        return self.normalize_output(x), cache.with_self_attention(keys, values)

@@ -14,6 +14,7 @@ import dataclasses
 import keras
 
 from keras_transformer.layers.decoder import Decoder
+from keras_transformer.layers.decoding_cache import DecodingCache
 from keras_transformer.layers.embedding import TokenEmbedding
 from keras_transformer.layers.encoder import Encoder
 from keras_transformer.layers.masks import padding_mask
@@ -150,22 +151,22 @@ class Transformer(keras_compat.DistributedFitFixes, keras.Model):
         """The incremental-decoding cache for `memory` `(batch, len_src, d_model)`.
 
         Cross-attention keys/values are projected once here; self-attention
-        caches are preallocated zeros of `max_length` positions. A dict of
-        per-decoder-layer lists: `self_key`, `self_value` `(batch, max_length,
-        num_heads, depth)`, `cross_key`, `cross_value` `(batch, len_src,
-        num_heads, depth)`.
+        caches are preallocated zeros of `max_length` positions. A
+        `DecodingCache` of per-decoder-layer tuples: `self_key`, `self_value`
+        `(batch, max_length, num_heads, depth)`, `cross_key`, `cross_value`
+        `(batch, len_src, num_heads, depth)`.
         """
         batch = keras.ops.shape(memory)[0]
         config = self.config
         shape = (batch, max_length, config.num_heads, config.d_model // config.num_heads)
         layers = self.decoder.stack_layers
         memory = keras.ops.cast(memory, self.compute_dtype)
-        return {
-            "self_key": [keras.ops.zeros(shape, self.compute_dtype) for _ in layers],
-            "self_value": [keras.ops.zeros(shape, self.compute_dtype) for _ in layers],
-            "cross_key": [layer.cross_attention.project_heads(memory, "key") for layer in layers],
-            "cross_value": [layer.cross_attention.project_heads(memory, "value") for layer in layers],
-        }
+        return DecodingCache(
+            self_key=tuple(keras.ops.zeros(shape, self.compute_dtype) for _ in layers),
+            self_value=tuple(keras.ops.zeros(shape, self.compute_dtype) for _ in layers),
+            cross_key=tuple(layer.cross_attention.project_heads(memory, "key") for layer in layers),
+            cross_value=tuple(layer.cross_attention.project_heads(memory, "value") for layer in layers),
+        )
 
     def decode_step(self, token_ids, step, cache, memory_mask):
         """One incremental decoding step (inference).
@@ -187,7 +188,7 @@ class Transformer(keras_compat.DistributedFitFixes, keras.Model):
     def translate_ids(self, source_ids, beam_size=4, length_penalty=0.6, max_extra_length=50, num_return=1):
         """Beam search (§6.1) from source ids; `beam_size=1` and `length_penalty=0` is greedy.
 
-        Returns `(target_ids, scores)` as `keras_transformer.beam_search`.
+        Returns `Translations(ids, scores, log_probs)`, as `keras_transformer.beam_search`.
         """
         from keras_transformer.decoding.search import beam_search
 

@@ -195,3 +195,13 @@ def average_last_checkpoints(run, last, output=None):
     output = output or run.averaged_path
     save_model(averaged, output)
     return output, checkpoints[-last:]
+
+
+def average_run(path, last, output=None):
+    """`keras-transformer average`: `average_last_checkpoints` of the run at `path`,
+    holding its writer lock (not while `train` writes checkpoints). Returns
+    `(output path, the checkpoints averaged)`."""
+    run = RunDirectory(path)
+    run.settings()  # a run directory, or one line saying what is wrong
+    with run.lock:
+        return average_last_checkpoints(run, last, output)
