@@ -36,16 +36,14 @@ from keras_transformer.training import (
     make_optimizer,
 )
 
-_TENSORFLOW_NAMES = {
-    "Tokenizer": "keras_transformer.data.tokenizer",
-    "make_dataset": "keras_transformer.data.batching",
-}
-
 
 def __getattr__(name):
-    from keras_transformer.utils.lazy import lazy_attribute
+    """`Tokenizer` and `make_dataset`, imported on first use by `keras_transformer.data`."""
+    from keras_transformer import data
 
-    return lazy_attribute(__name__, _TENSORFLOW_NAMES, name)
+    if name in data.TENSORFLOW_NAMES:
+        return getattr(data, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [

@@ -9,7 +9,7 @@ TensorFlow; they are imported on first use, so reading corpora does not.
 from keras_transformer.data.corpora import Corpus, CorpusError, load_corpus
 from keras_transformer.data.toy_tasks import sequence_task
 
-_TENSORFLOW_NAMES = {
+TENSORFLOW_NAMES = {
     "Tokenizer": "keras_transformer.data.tokenizer",
     "make_dataset": "keras_transformer.data.batching",
 }
@@ -18,7 +18,7 @@ _TENSORFLOW_NAMES = {
 def __getattr__(name):
     from keras_transformer.utils.lazy import lazy_attribute
 
-    return lazy_attribute(__name__, _TENSORFLOW_NAMES, name)
+    return lazy_attribute(__name__, TENSORFLOW_NAMES, name)
 
 
 __all__ = ["Corpus", "CorpusError", "Tokenizer", "load_corpus", "make_dataset", "sequence_task"]

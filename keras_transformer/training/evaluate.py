@@ -71,6 +71,8 @@ def evaluate_run(
     sources, references = load_corpus(data, data_dir, source_lang, target_lang)[split]
     if limit:
         sources, references = sources[:limit], references[:limit]
+    if progress is not None:
+        progress(0, len(sources))  # the total, also for an empty split
     start = time.perf_counter()
     hypotheses, _ = translator.translate(
         sources, None if progress is None else (lambda done: progress(done, len(sources)))

@@ -29,9 +29,6 @@ class FusedOutputLossStep:
     def __init__(self):
         self.fallback_reason = None  # why the last traced step was not fused, or None
 
-    def get_config(self):
-        return {}
-
     def fusable_loss(self, model, sample_weight):
         """`(loss, None)` when the compiled set-up fuses, else `(None, why not)`.
 
