@@ -24,10 +24,18 @@ command with `--resume` continues it).
 """
 
 import argparse
-import ast
+import dataclasses
 import os
 import sys
 import time
+
+from keras_transformer.training.options import FIELDS, flag
+from keras_transformer.utils.arguments import (  # noqa: F401  (public: the export command uses them)
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+)
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ start-up chatter
 
@@ -50,39 +58,9 @@ def _presets(args):
 
 
 def _train(args):
-    from keras_transformer.training.trainer import TrainingOptions, train
+    from keras_transformer.training.trainer import train
 
-    options = TrainingOptions(
-        out=args.out,
-        data=args.data,
-        data_dir=args.data_dir,
-        source_lang=args.source_lang,
-        target_lang=args.target_lang,
-        preset=args.preset,
-        overrides=dict(args.set),
-        vocab_size=args.vocab_size,
-        epochs=args.epochs,
-        batch_tokens=args.batch_tokens,
-        max_length=args.max_length,
-        warmup_steps=args.warmup_steps,
-        learning_rate_scale=args.learning_rate_scale,
-        learning_rate=args.learning_rate,
-        clip_norm=args.clip_norm,
-        label_smoothing=args.label_smoothing,
-        strategy=args.strategy,
-        mixed_precision=args.mixed_precision,
-        xla=args.xla,
-        grad_accum=args.grad_accum,
-        max_minutes=args.max_minutes,
-        keep_checkpoints=args.keep_checkpoints,
-        average_last=args.average_last,
-        val_bleu=args.val_bleu,
-        save_every_steps=args.save_every_steps,
-        resume=args.resume,
-        overwrite=args.overwrite,
-        seed=args.seed,
-    )
-    result = train(options)
+    result = train(training_options(args))
     if result.status == "preempted":
         from keras_transformer.training.preemption import EXIT_PREEMPTED
 
@@ -203,37 +181,6 @@ def _attention(args):
     return 0
 
 
-def _number(kind, lowest, inclusive, description):
-    """An argparse type: a finite `kind` (int or float) above `lowest` (or equal, if `inclusive`)."""
-
-    def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            value = None
-        if value is None or not (value >= lowest if inclusive else value > lowest) or value == float("inf"):
-            raise argparse.ArgumentTypeError(f"expected {description}, got {text!r}")
-        return value
-
-    return parse
-
-
-positive_int = _number(int, 0, False, "a positive integer")
-non_negative_int = _number(int, 0, True, "an integer >= 0")
-positive_float = _number(float, 0, False, "a number > 0")
-non_negative_float = _number(float, 0, True, "a number >= 0")
-
-
-def _setting(text):
-    key, separator, value = text.partition("=")
-    if not separator or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    try:
-        return key, ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-        return key, value
-
-
 def add_model_arguments(parser, beam=True, batch=True):
     parser.add_argument(
         "--model", required=True, help="a run directory (uses its model.keras) or a .keras file inside one"
@@ -250,106 +197,46 @@ def add_model_arguments(parser, beam=True, batch=True):
         parser.add_argument("--batch-size", type=positive_int, default=64)
 
 
-def _add_data_arguments(parser, default=None):
-    parser.add_argument(
-        "--data", required=default is None, default=default, help="synthetic | multi30k | files:SRC,TGT"
-    )
-    parser.add_argument("--data-dir", help="local copy of the dataset (multi30k)")
+def add_option(parser, name, **changes):
+    """Adds the `TrainingOptions` field `name` to `parser` as its metadata declares it
+    (flag, parser, help, default); `changes` override argparse arguments."""
+    field = FIELDS[name]
+    meta = field.metadata
+    arguments = {"help": meta["help"]}
+    if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+        arguments["required"] = True
+    elif field.type is bool or field.type == "bool":
+        arguments["action"] = "store_true"
+    elif field.default_factory is not dataclasses.MISSING:  # a repeatable KEY=VALUE option
+        arguments.update(action="append", default=[], type=meta["parse"])
+    else:
+        arguments.update(default=field.default, type=meta["parse"])
+        if field.default is not None:
+            arguments["help"] += f" (default: {field.default})"
+    if meta["choices"] is not None:
+        arguments["choices"] = meta["choices"]
+    if meta["metavar"] is not None:
+        arguments["metavar"] = meta["metavar"]
+    elif "type" in arguments and field.type in (int, float):
+        arguments["metavar"] = "N" if field.type is int else "X"
+    arguments = {key: value for key, value in {**arguments, **changes}.items() if value is not None}
+    parser.add_argument(flag(name), dest=name, **arguments)
+
+
+def training_options(args):
+    """The `TrainingOptions` of parsed `train` arguments."""
+    from keras_transformer.training.options import TrainingOptions
+
+    values = {name: getattr(args, name) for name, field in FIELDS.items() if field.metadata["command_line"]}
+    values["overrides"] = dict(values["overrides"])
+    return TrainingOptions(**values)
 
 
 def _train_parser(commands):
     train = commands.add_parser("train", help="train a model into a run directory")
-    _add_data_arguments(train, default="synthetic")
-    train.add_argument("--source-lang", default="en")
-    train.add_argument("--target-lang", default="de")
-    train.add_argument(
-        "--preset",
-        default="small",
-        help="tiny | mini | small | base | big (`keras-transformer presets` lists them)",
-    )
-    train.add_argument(
-        "--set",
-        type=_setting,
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a TransformerConfig field, e.g. --set dropout_rate=0.3",
-    )
-    train.add_argument("--out", required=True, help="the run directory")
-    train.add_argument("--epochs", type=positive_int, default=10)
-    train.add_argument(
-        "--vocab-size",
-        type=positive_int,
-        help="shared SentencePiece vocabulary (default 8000, or as many pieces as "
-        "the corpus supports if fewer)",
-    )
-    train.add_argument(
-        "--batch-tokens", type=positive_int, default=4096, help="tokens per batch (the paper: ~25000)"
-    )
-    train.add_argument(
-        "--max-length",
-        type=positive_int,
-        help="drop training pairs longer than this (default: the model's max)",
-    )
-    train.add_argument("--warmup-steps", type=positive_int, default=4000)
-    train.add_argument(
-        "--learning-rate",
-        type=positive_float,
-        help="peak learning rate, reached after --warmup-steps and then decayed "
-        "with 1/sqrt(step) (default: the paper's, d_model^-0.5 "
-        "warmup^-0.5)",
-    )
-    train.add_argument(
-        "--learning-rate-scale",
-        type=positive_float,
-        default=1.0,
-        help="a factor on the paper's schedule (instead of --learning-rate)",
-    )
-    train.add_argument(
-        "--clip-norm",
-        type=positive_float,
-        help="clip each update's gradients to this global norm (default: no clipping)",
-    )
-    train.add_argument("--label-smoothing", type=float, default=0.1, help="in [0, 1) (default 0.1)")
-    train.add_argument("--strategy", default="auto", choices=("auto", "default", "mirrored", "multi-worker"))
-    train.add_argument(
-        "--mixed-precision",
-        action="store_true",
-        help="float16 compute on GPU, bfloat16 on CPU (weights stay float32)",
-    )
-    train.add_argument("--xla", action="store_true", help="compile the train step with XLA")
-    train.add_argument(
-        "--grad-accum", type=positive_int, default=1, help="batches whose gradients make one update"
-    )
-    train.add_argument(
-        "--max-minutes", type=positive_float, help="time budget: stop after the last epoch that fits in it"
-    )
-    train.add_argument("--keep-checkpoints", type=positive_int, default=5)
-    train.add_argument(
-        "--average-last",
-        type=positive_int,
-        metavar="N",
-        help="at the end, average the last N epoch checkpoints into "
-        "RUN/averaged.keras (N <= --keep-checkpoints)",
-    )
-    train.add_argument(
-        "--val-bleu",
-        type=non_negative_int,
-        default=0,
-        metavar="N",
-        help="after every epoch, greedy-translate the first N validation pairs and "
-        "record their BLEU (val_bleu in metrics.json; default 0: off)",
-    )
-    train.add_argument(
-        "--save-every-steps",
-        type=positive_int,
-        help="save the resumable state this often (default: 4 times per epoch)",
-    )
-    train.add_argument("--seed", type=int, default=0)
-    train.add_argument(
-        "--resume", action="store_true", help="continue the run in --out if there is one (else start it)"
-    )
-    train.add_argument("--overwrite", action="store_true", help="replace the run in --out")
+    for name, field in FIELDS.items():
+        if field.metadata["command_line"]:
+            add_option(train, name)
     train.set_defaults(handler=_train)
 
 
@@ -378,7 +265,8 @@ def build_parser():
 
     evaluate = commands.add_parser("evaluate", help="sacreBLEU and chrF on a split")
     add_model_arguments(evaluate)
-    _add_data_arguments(evaluate)
+    add_option(evaluate, "data", required=True, default=None)
+    add_option(evaluate, "data_dir")
     evaluate.add_argument("--split", default="test", help="train | val | test (default test)")
     evaluate.add_argument("--source-lang", help="default: the run's")
     evaluate.add_argument("--target-lang", help="default: the run's")

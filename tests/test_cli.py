@@ -98,6 +98,48 @@ def test_bad_training_option_gives_one_line_exit_2(arguments, expected, tmp_path
     assert not out.exists()
 
 
+def test_train_arguments_are_the_training_options_fields():
+    """One place for defaults, help and limits: `train`'s parser is built from
+    `TrainingOptions`, so parsing no option gives the dataclass' own defaults."""
+    from keras_transformer.training.options import FIELDS, RUN_DEFINING, TrainingOptions
+
+    parsed = cli.build_parser().parse_args(["train", "--out", "runs/x"])
+    assert cli.training_options(parsed) == TrainingOptions(out="runs/x")
+    help_text = cli.build_parser()._subparsers._group_actions[0].choices["train"].format_help()
+    for name, field in FIELDS.items():
+        shown = field.metadata["command_line"]
+        assert (f"--{name.replace('_', '-')} " in help_text or name == "overrides") == shown, name
+        assert not shown or field.metadata["help"].split("(")[0].strip()[:20] in " ".join(help_text.split())
+    assert "--set KEY=VALUE" in help_text and "(default: 4096)" in help_text
+    overrides = ["--set", "dropout_rate=0.3", "--set", "num_layers=3"]
+    parsed = cli.build_parser().parse_args(["train", "--out", "r", *overrides, "--xla", "--epochs", "2"])
+    options = cli.training_options(parsed)
+    assert options.overrides == {"dropout_rate": 0.3, "num_layers": 3} and options.xla and options.epochs == 2
+    assert set(RUN_DEFINING) >= {"data", "preset", "overrides", "batch_tokens", "seed"}
+    assert not {"epochs", "out", "resume", "overwrite", "strategy", "verbose"} & set(RUN_DEFINING)
+
+
+@pytest.mark.parametrize(
+    "values, expected",
+    [
+        (dict(epochs=0), "--epochs must be a positive integer; got 0."),
+        (dict(batch_tokens=2.5), "--batch-tokens must be a positive integer; got 2.5."),
+        (dict(epochs=None), "--epochs must be a positive integer; got None."),
+        (dict(val_bleu=True), "--val-bleu must be an integer >= 0; got True."),
+        (dict(clip_norm=float("nan")), "--clip-norm must be a number > 0; got nan."),
+        (dict(strategy="tpu"), "--strategy must be one of ['auto', 'default', 'mirrored', 'multi-worker']"),
+    ],
+)
+def test_training_options_built_in_python_are_checked_by_the_command_line_parsers(values, expected):
+    from keras_transformer.training.options import TrainingOptions, check_options
+    from keras_transformer.utils.checks import UserError
+
+    check_options(TrainingOptions(out="r", learning_rate=1e-3, clip_norm=1))  # valid: no error
+    with pytest.raises(UserError) as error:
+        check_options(TrainingOptions(out="r", **values))
+    assert str(error.value).startswith(expected)
+
+
 def test_bad_decoding_option_gives_one_line_exit_2(capsys):
     with pytest.raises(SystemExit) as exit:
         cli.main(["evaluate", "--model", "x", "--data", "synthetic", "--length-penalty", "-0.5"])

@@ -41,9 +41,9 @@ def test_per_head_and_batched_give_same_outputs_and_gradients():
 def test_per_head_attention_weights_match_batched():
     query, value, mask = _inputs()
     layer = kt.MultiHeadAttention(num_heads=4, d_model=16)
-    _, batched = layer.call_with_weights(query, value, attention_mask=mask)
+    _, batched = layer(query, value, attention_mask=mask, return_weights=True)
     layer.mode = "per_head"
-    _, per_head = layer.call_with_weights(query, value, attention_mask=mask)
+    _, per_head = layer(query, value, attention_mask=mask, return_weights=True)
     assert batched.shape == (2, 4, 5, 7)
     np.testing.assert_allclose(per_head, batched, atol=1e-6)
     assert np.all(np.asarray(batched)[1, :, :, 4:] == 0.0)
@@ -107,3 +107,72 @@ def test_wrong_input_width_is_reported():
     layer = kt.MultiHeadAttention(num_heads=2, d_model=16)
     with pytest.raises(ValueError, match="d_model=16"):
         layer(np.ones((1, 2, 8), "float32"), np.ones((1, 2, 8), "float32"))
+
+
+# --- Options through `__call__`: `return_weights=`, `cache=`, `cache_step=` --------------------------
+
+
+@pytest.mark.parametrize("mode", kt.ATTENTION_MODES)
+def test_self_attention_through_a_cache_written_step_by_step_equals_causal_attention(mode):
+    """A fixed-size cache filled one position per call gives causal self-attention (§3.2.3)."""
+    x, _, _ = _inputs(len_q=6)
+    layer = kt.MultiHeadAttention(num_heads=4, d_model=16, mode=mode)
+    full, full_weights = layer(x, attention_mask=kt.causal_mask(6), return_weights=True)
+    cache = (np.zeros((2, 6, 4, 4), "float32"),) * 2
+    for step in range(6):
+        outputs, weights, cache = layer(
+            x[:, step : step + 1],
+            attention_mask=kt.causal_mask(1, 6, offset=step),
+            cache=cache,
+            cache_step=step,
+            return_weights=True,
+        )
+        np.testing.assert_allclose(outputs[:, 0], full[:, step], atol=1e-5, err_msg=f"step {step}")
+        np.testing.assert_allclose(weights[:, :, 0], full_weights[:, :, step], atol=1e-6)
+    np.testing.assert_allclose(cache[0], layer.project_heads(x, "key"), atol=1e-6)
+
+
+def test_a_read_only_cache_holds_the_projected_keys_and_values():
+    """Cross-attention over a memory projected once equals projecting it at every call."""
+    query, value, mask = _inputs()
+    layer = kt.MultiHeadAttention(num_heads=4, d_model=16)
+    projected = (layer.project_heads(value, "key"), layer.project_heads(value, "value"))
+    outputs, cache = layer(query, attention_mask=mask, cache=projected)
+    np.testing.assert_allclose(outputs, layer(query, value, attention_mask=mask), atol=1e-6)
+    assert cache[0] is projected[0] and cache[1] is projected[1]
+
+
+def test_cache_mistakes_are_reported():
+    query, value, _ = _inputs()
+    layer = kt.MultiHeadAttention(num_heads=4, d_model=16)
+    projected = (layer.project_heads(value, "key"), layer.project_heads(value, "value"))
+    with pytest.raises(ValueError, match="do not pass value or key"):
+        layer(query, value, cache=projected)
+    with pytest.raises(ValueError, match=r"expects cache=\(keys, values\)"):
+        layer(query, cache=projected[0])
+
+
+def test_return_weights_works_in_a_functional_model():
+    """The options go through `Layer.__call__`, so the layer also traces symbolically."""
+    query = keras.Input((5, 16))
+    value = keras.Input((7, 16))
+    outputs, weights = kt.MultiHeadAttention(num_heads=4, d_model=16)(query, value, return_weights=True)
+    assert tuple(outputs.shape) == (None, 5, 16) and tuple(weights.shape) == (None, 4, 5, 7)
+    model = keras.Model([query, value], [outputs, weights])
+    q, v, _ = _inputs()
+    eager_outputs, eager_weights = model([q, v])
+    np.testing.assert_allclose(np.asarray(eager_weights).sum(-1), 1.0, atol=1e-5)
+    assert eager_outputs.shape == (2, 5, 16)
+    layer_outputs, layer_weights = kt.EncoderLayer(16, 4, 32)(query, return_weights=True)
+    assert tuple(layer_outputs.shape) == (None, 5, 16) and tuple(layer_weights.shape) == (None, 4, 5, 5)
+
+
+def test_mixed_precision_autocasts_a_cached_call():
+    """Through `__call__`, a bfloat16 layer computes in bfloat16 from float32 inputs."""
+    x, _, _ = _inputs(len_q=1)
+    layer = kt.MultiHeadAttention(num_heads=4, d_model=16, dtype="mixed_bfloat16")
+    cache = (np.zeros((2, 3, 4, 4), "float32"),) * 2
+    outputs, (keys, values) = layer(x, attention_mask=kt.causal_mask(1, 3), cache=cache, cache_step=0)
+    assert keras.backend.standardize_dtype(outputs.dtype) == "bfloat16"
+    assert keras.backend.standardize_dtype(keys.dtype) == "bfloat16"
+    assert layer.query_kernel.dtype == "float32"

@@ -211,3 +211,47 @@ def test_a_model_left_unbuilt_builds_inside_fit():
     assert np.all(np.isfinite(history.history["loss"]))
     assert model.built and model.count_params() > 0  # the fused train step never calls the model
     assert model(inputs).shape == (64, labels.shape[1], 20)
+
+
+def test_decoder_stack_with_a_cache_returns_weights_of_the_cached_positions():
+    """`return_weights=` and `cache=` together: the weights of a decoding step are the
+    corresponding row of the full pass's (zero beyond the step), and the cache comes back."""
+    model = _model()
+    inputs = _batch()
+    source, target = inputs["source_ids"], inputs["target_ids"]
+    full = model.attention_weights(inputs)
+    memory = model.encode(source)
+    cache = model.init_cache(memory, max_length=6)
+    source_mask = kt.padding_mask(source)
+    for step in range(3):  # rows of real target tokens only (row 2 is padded from position 3)
+        embedded = model.target_embedding(target[:, step : step + 1])
+        _, self_weights, cross_weights, cache = model.decoder(
+            embedded, memory_mask=source_mask, cache=cache, cache_step=step, return_weights=True
+        )
+        assert isinstance(cache, kt.DecodingCache)
+        for layer in range(len(self_weights)):
+            np.testing.assert_allclose(
+                np.asarray(self_weights[layer])[:, :, 0, : step + 1],
+                np.asarray(full["decoder_self"][layer])[:, :, step, : step + 1],
+                atol=1e-5,
+            )
+            assert np.all(np.asarray(self_weights[layer])[:, :, 0, step + 1 :] == 0)
+            np.testing.assert_allclose(
+                np.asarray(cross_weights[layer])[:, :, 0],
+                np.asarray(full["decoder_cross"][layer])[:, :, step],
+                atol=1e-5,
+            )
+
+
+def test_decoder_memory_and_cache_mistakes_are_reported():
+    model = _model()
+    source = _batch()["source_ids"]
+    memory = model.encode(source)
+    cache = model.init_cache(memory, max_length=4)
+    embedded = model.target_embedding(np.full((3, 1), 2))
+    with pytest.raises(ValueError, match="pass the encoder output"):
+        model.decoder(embedded)
+    with pytest.raises(ValueError, match="do not also pass memory"):
+        model.decoder(embedded, memory, cache=cache, cache_step=0)
+    with pytest.raises(ValueError, match="needs cache_step"):
+        model.decoder(embedded, cache=cache)

@@ -14,10 +14,16 @@ Output length: each sentence may produce `min(source_length + max_extra_length,
 model max_length)` tokens, EOS included (§6.1: "input length + 50"); at the
 last allowed step EOS is forced, so every output ends with EOS. Tokens after
 EOS are `pad_id`.
+
+On PyTorch the searches run under `torch.no_grad()`: decoding is inference,
+so no autograd graph is kept per step and the results are plain tensors.
 """
 
+import contextlib
+import functools
 from typing import NamedTuple
 
+import keras
 from keras import ops
 
 from keras_transformer.layers.masks import padding_mask
@@ -25,6 +31,25 @@ from keras_transformer.layers.portable_ops import write_at
 from keras_transformer.utils.checks import check_positive_int
 
 NEG_INF = -1.0e9  # "impossible" log-probability; finite, so 0 * NEG_INF stays 0
+
+
+def _inference(search):
+    """Runs `search` without recording gradients where the backend records them eagerly (PyTorch)."""
+
+    @functools.wraps(search)
+    def run(*args, **kwargs):
+        with _no_gradients():
+            return search(*args, **kwargs)
+
+    return run
+
+
+def _no_gradients():
+    if keras.backend.backend() == "torch":
+        import torch
+
+        return torch.no_grad()
+    return contextlib.nullcontext()
 
 
 class Translations(NamedTuple):
@@ -42,6 +67,7 @@ class Translations(NamedTuple):
     log_probs: object
 
 
+@_inference
 def greedy_search(model, source_ids, max_length=None, max_extra_length=50, min_length=0, use_cache=True):
     """Picks the most probable token at every step.
 
@@ -90,6 +116,7 @@ def greedy_search(model, source_ids, max_length=None, max_extra_length=50, min_l
     return Translations(tokens, log_probs, log_probs)
 
 
+@_inference
 def beam_search(
     model,
     source_ids,
@@ -237,7 +264,8 @@ class _PrefixDecoder:
         prefix = ops.reshape(prefix, (-1, ops.shape(prefix)[-1]))  # (batch * beam, max_len)
         bos = ops.full((ops.shape(prefix)[0], 1), self.model.config.bos_id, "int32")
         inputs = ops.concatenate([bos, prefix[:, :step]], axis=1)  # (batch * beam, step + 1)
-        logits = self.model._decode(inputs, self.memory, self.memory_mask, training=False)
+        hidden = self.model.decoder_output(inputs, self.memory, self.memory_mask, training=False)
+        logits = self.model.project(hidden)
         return logits[:, -1], state
 
     @staticmethod

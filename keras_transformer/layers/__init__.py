@@ -5,6 +5,7 @@ Shape legend: batch, len_q / len_k (query / key positions), d_model.
 
 from keras_transformer.layers.attention import masked_softmax, scaled_dot_product_attention
 from keras_transformer.layers.decoder import Decoder, DecoderLayer
+from keras_transformer.layers.decoding_cache import DecodingCache, LayerCache
 from keras_transformer.layers.dropout import Dropout
 from keras_transformer.layers.embedding import TokenEmbedding
 from keras_transformer.layers.encoder import Encoder, EncoderLayer
@@ -17,9 +18,11 @@ __all__ = [
     "ATTENTION_MODES",
     "Decoder",
     "DecoderLayer",
+    "DecodingCache",
     "Dropout",
     "Encoder",
     "EncoderLayer",
+    "LayerCache",
     "MultiHeadAttention",
     "PositionwiseFeedForward",
     "SinusoidalPositionalEncoding",

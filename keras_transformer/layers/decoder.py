@@ -8,10 +8,12 @@ positions > i, whatever mask the caller passes.
 
 import keras
 
+from keras_transformer.layers.decoding_cache import DecodingCache
 from keras_transformer.layers.feed_forward import PositionwiseFeedForward
 from keras_transformer.layers.masks import causal_mask, combine_masks
 from keras_transformer.layers.multi_head_attention import MultiHeadAttention
 from keras_transformer.layers.residual import make_norm_and_dropout, residual_block
+from keras_transformer.layers.results import split_optional, with_optional
 from keras_transformer.layers.stack import LayerArguments, TransformerStack
 from keras_transformer.utils.checks import register
 
@@ -26,13 +28,23 @@ class DecoderLayer(LayerArguments, keras.layers.Layer):
     Call arguments:
         inputs: `(batch, len_tgt, d_model)`.
         memory: encoder output `(batch, len_src, d_model)`.
-        self_attention_mask: bool `(batch|1, len_tgt, len_tgt)`, already causal.
+        self_attention_mask: bool `(batch|1, len_tgt, len_tgt)`, already causal
+            (with a cache `(1, len_new, max_len)`, causal from `cache_step`).
         memory_mask: bool `(batch, 1, len_src)`, True = real source token.
+        cache: for incremental decoding (inference), this layer's
+            `LayerCache` instead of `memory`: `self_key`, `self_value`
+            `(batch, max_len, num_heads, depth)` (past keys/values) and
+            `cross_key`, `cross_value` `(batch, len_src, num_heads, depth)`
+            (the memory projected once, `Transformer.init_cache`).
+        cache_step: with `cache`, the scalar int position of `inputs[:, 0]`.
+        return_weights: also return the attention weights.
         training: enables dropout.
 
     Returns:
-        `(batch, len_tgt, d_model)`; `call_with_weights` also returns the
-        self- and cross-attention weights `(batch, num_heads, len_tgt, len_tgt|len_src)`.
+        `(batch, len_tgt, d_model)`; then, if asked, in this order: the
+        self- and cross-attention weights `(batch, num_heads, len_tgt,
+        len_tgt|len_src)` (`return_weights`) and the `LayerCache` with this
+        call's keys and values written (`cache`).
     """
 
     def __init__(
@@ -81,62 +93,55 @@ class DecoderLayer(LayerArguments, keras.layers.Layer):
         for norm in (self.self_attention_norm, self.cross_attention_norm, self.feed_forward_norm):
             norm.build(inputs_shape)
 
-    def call(self, inputs, memory, self_attention_mask=None, memory_mask=None, training=None):
-        return self.call_with_weights(inputs, memory, self_attention_mask, memory_mask, training)[0]
-
-    def call_with_weights(self, inputs, memory, self_attention_mask=None, memory_mask=None, training=None):
-        """Returns `(outputs, self_attention_weights, cross_attention_weights)`."""
-        if not self.built:
-            self.build(inputs.shape, memory.shape)
-        weights = {}
+    def call(
+        self,
+        inputs,
+        memory=None,
+        self_attention_mask=None,
+        memory_mask=None,
+        cache=None,
+        cache_step=None,
+        return_weights=False,
+        training=None,
+    ):
+        _check_memory_or_cache(self.name, memory, cache, cache_step)
+        optional = {}  # what the attention sublayers return besides their outputs
 
         def self_attend(x):
-            outputs, weights["self"] = self.self_attention.call_with_weights(
-                x, x, attention_mask=self_attention_mask, training=training
+            cached = (
+                {}
+                if cache is None
+                else {"cache": (cache.self_key, cache.self_value), "cache_step": cache_step}
+            )
+            outputs, optional["self_weights"], optional["self_cache"] = split_optional(
+                self.self_attention(
+                    x,
+                    attention_mask=self_attention_mask,
+                    return_weights=return_weights,
+                    training=training,
+                    **cached,
+                ),
+                return_weights,
+                cache is not None,
             )
             return outputs
 
         def cross_attend(x):
-            outputs, weights["cross"] = self.cross_attention.call_with_weights(
-                x, memory, attention_mask=memory_mask, training=training
+            # Without a cache the memory is projected here; with one, it was projected once (init_cache).
+            source = {"value": memory} if cache is None else {"cache": (cache.cross_key, cache.cross_value)}
+            outputs, optional["cross_weights"], _ = split_optional(
+                self.cross_attention(
+                    x, attention_mask=memory_mask, return_weights=return_weights, training=training, **source
+                ),
+                return_weights,
+                cache is not None,
             )
             return outputs
 
         x = self._sublayers(inputs, self_attend, cross_attend, training)
-        return x, weights["self"], weights["cross"]
-
-    def call_with_cache(self, inputs, cache, step, self_attention_mask, memory_mask=None):
-        """Incremental decoding of the positions `step, step + 1, ...` (inference only).
-
-        Args:
-            inputs: `(batch, len_new, d_model)`.
-            cache: this layer's `LayerCache`: `self_key`, `self_value`
-                `(batch, max_len, num_heads, depth)` (past keys/values) and
-                `cross_key`, `cross_value` `(batch, len_src, num_heads,
-                depth)` (the memory projected once).
-            step: scalar int position of `inputs[:, 0]`.
-            self_attention_mask: bool `(1, len_new, max_len)`, causal from `step`.
-            memory_mask: bool `(batch, 1, len_src)`.
-
-        Returns:
-            `(outputs (batch, len_new, d_model), self_key, self_value)`.
-        """
-        updated = {}
-
-        def self_attend(x):
-            outputs, updated["key"], updated["value"] = self.self_attention.call_with_cache(
-                x, cache.self_key, cache.self_value, step, self_attention_mask
-            )
-            return outputs
-
-        def cross_attend(x):
-            query = self.cross_attention.project_heads(x, "query")
-            return self.cross_attention.attend_heads(query, cache.cross_key, cache.cross_value, memory_mask)[
-                0
-            ]
-
-        x = self._sublayers(inputs, self_attend, cross_attend, training=False)
-        return x, updated["key"], updated["value"]
+        if cache is not None:
+            cache = cache._replace(self_key=optional["self_cache"][0], self_value=optional["self_cache"][1])
+        return with_optional(x, optional["self_weights"], optional["cross_weights"], cache)
 
     def _sublayers(self, inputs, self_attend, cross_attend, training):
         x = residual_block(
@@ -164,9 +169,6 @@ class DecoderLayer(LayerArguments, keras.layers.Layer):
             training,
         )
 
-    def compute_output_shape(self, inputs_shape, memory_shape=None):
-        return tuple(inputs_shape)
-
 
 @register
 class Decoder(TransformerStack):
@@ -184,11 +186,19 @@ class Decoder(TransformerStack):
         target_mask: optional bool `(batch, 1, len_tgt)`, True = real target
             token; combined with the causal mask.
         memory_mask: bool `(batch, 1, len_src)`, True = real source token.
+        cache: for incremental decoding (inference), a `DecodingCache`
+            (`Transformer.init_cache`) instead of `memory`; `inputs` are then
+            the positions `cache_step, cache_step + 1, ...` (usually one).
+        cache_step: with `cache`, the scalar int position of `inputs[:, 0]`.
+        return_weights: also return each layer's attention weights.
         training: enables dropout.
 
     Returns:
         `(batch, len_tgt, d_model)` hidden states (logits come from the tied
-        projection of `Transformer`).
+        projection of `Transformer`); then, if asked, in this order: the lists
+        of self- and cross-attention weights, one per layer
+        (`return_weights`), and the `DecodingCache` with this call's keys and
+        values written (`cache`).
     """
 
     layer_class = DecoderLayer
@@ -214,45 +224,61 @@ class Decoder(TransformerStack):
     def build(self, inputs_shape, memory_shape=None):
         super().build(inputs_shape, inputs_shape if memory_shape is None else memory_shape)
 
-    def call(self, inputs, memory, target_mask=None, memory_mask=None, training=None):
-        return self.call_with_weights(inputs, memory, target_mask, memory_mask, training)[0]
-
-    def call_with_weights(self, inputs, memory, target_mask=None, memory_mask=None, training=None):
-        """Returns `(outputs, [self-attention weights], [cross-attention weights])`, one per layer."""
-        if not self.built:
-            self.build(inputs.shape, memory.shape)
+    def call(
+        self,
+        inputs,
+        memory=None,
+        target_mask=None,
+        memory_mask=None,
+        cache=None,
+        cache_step=None,
+        return_weights=False,
+        training=None,
+    ):
+        _check_memory_or_cache(self.name, memory, cache, cache_step)
         length = keras.ops.shape(inputs)[1]
-        self_attention_mask = combine_masks(causal_mask(length), target_mask)
-        x = self.embed_positions(inputs, training)
-        self_weights, cross_weights = [], []
-        for layer in self.stack_layers:
-            x, self_w, cross_w = layer.call_with_weights(
-                x, memory, self_attention_mask, memory_mask, training=training
+        if cache is None:
+            self_attention_mask = combine_masks(causal_mask(length), target_mask)
+            x = self.embed_positions(inputs, training)
+        else:  # the new positions see the cached ones and themselves, causally
+            max_len = keras.ops.shape(cache.self_key[0])[1]
+            self_attention_mask = causal_mask(length, max_len, offset=cache_step)
+            x = self.embed_positions(inputs, training, offset=cache_step)
+        self_weights, cross_weights, layer_caches = [], [], []
+        for i, layer in enumerate(self.stack_layers):
+            x, self_w, cross_w, layer_cache = split_optional(
+                layer(
+                    x,
+                    memory,
+                    self_attention_mask,
+                    memory_mask,
+                    cache=None if cache is None else cache.layer(i),
+                    cache_step=cache_step,
+                    return_weights=return_weights,
+                    training=training,
+                ),
+                return_weights,
+                return_weights,
+                cache is not None,
             )
             self_weights.append(self_w)
             cross_weights.append(cross_w)
-        return self.normalize_output(x), self_weights, cross_weights
+            layer_caches.append(layer_cache)
+        return with_optional(
+            self.normalize_output(x),
+            self_weights if return_weights else None,
+            cross_weights if return_weights else None,
+            None if cache is None else DecodingCache.from_layers(layer_caches),
+        )
 
-    def call_with_cache(self, inputs, cache, step, memory_mask=None):
-        """Incremental decoding: embedded target positions `step, ...` -> hidden states.
 
-        Args:
-            inputs: scaled target embeddings `(batch, len_new, d_model)` of the
-                positions `step, step + 1, ...` (usually `len_new == 1`).
-            cache: a `DecodingCache` (`Transformer.init_cache`).
-            step: scalar int.
-            memory_mask: bool `(batch, 1, len_src)`.
-
-        Returns:
-            `(hidden (batch, len_new, d_model), cache)` with this step's keys
-            and values written into the self-attention caches.
-        """
-        max_len = keras.ops.shape(cache.self_key[0])[1]
-        self_attention_mask = causal_mask(keras.ops.shape(inputs)[1], max_len, offset=step)
-        x = self.embed_positions(inputs, training=False, offset=step)
-        keys, values = [], []
-        for i, layer in enumerate(self.stack_layers):
-            x, key, value = layer.call_with_cache(x, cache.layer(i), step, self_attention_mask, memory_mask)
-            keys.append(key)
-            values.append(value)
-        return self.normalize_output(x), cache.with_self_attention(keys, values)
+def _check_memory_or_cache(name, memory, cache, cache_step):
+    if cache is None and memory is None:
+        raise ValueError(f"{name}: pass the encoder output (memory), or a cache for incremental decoding.")
+    if cache is not None and memory is not None:
+        raise ValueError(
+            f"{name}: with a cache, cross-attention reads the memory projected in the cache; do not "
+            "also pass memory."
+        )
+    if cache is not None and cache_step is None:
+        raise ValueError(f"{name}: a cache needs cache_step, the position of the first new target token.")

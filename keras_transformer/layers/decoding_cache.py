@@ -44,6 +44,11 @@ class DecodingCache(NamedTuple):
         """The `LayerCache` of decoder layer `index`."""
         return LayerCache(*(tensors[index] for tensors in self))
 
+    @classmethod
+    def from_layers(cls, layer_caches):
+        """The cache of a stack from its layers' `LayerCache`s, in order."""
+        return cls(*(tuple(tensors) for tensors in zip(*layer_caches)))
+
     def with_self_attention(self, keys, values):
         """This cache with new self-attention keys and values (one per layer)."""
         return self._replace(self_key=tuple(keys), self_value=tuple(values))

@@ -8,6 +8,7 @@ import keras
 from keras_transformer.layers.feed_forward import PositionwiseFeedForward
 from keras_transformer.layers.multi_head_attention import MultiHeadAttention
 from keras_transformer.layers.residual import make_norm_and_dropout, residual_block
+from keras_transformer.layers.results import split_optional, with_optional
 from keras_transformer.layers.stack import LayerArguments, TransformerStack
 from keras_transformer.utils.checks import register
 
@@ -29,11 +30,12 @@ class EncoderLayer(LayerArguments, keras.layers.Layer):
         inputs: `(batch, len_src, d_model)`.
         attention_mask: bool `(batch, 1, len_src)` (a `padding_mask`) or
             `(batch, len_src, len_src)`, True = may attend.
+        return_weights: also return the self-attention weights.
         training: enables dropout.
 
     Returns:
-        `(batch, len_src, d_model)`; `call_with_weights` also returns the
-        self-attention weights `(batch, num_heads, len_src, len_src)`.
+        `(batch, len_src, d_model)`; with `return_weights`, `(outputs,
+        weights)`, weights `(batch, num_heads, len_src, len_src)` float32.
     """
 
     def __init__(
@@ -75,19 +77,17 @@ class EncoderLayer(LayerArguments, keras.layers.Layer):
         self.self_attention_norm.build(inputs_shape)
         self.feed_forward_norm.build(inputs_shape)
 
-    def call(self, inputs, attention_mask=None, training=None):
-        return self.call_with_weights(inputs, attention_mask, training)[0]
-
-    def call_with_weights(self, inputs, attention_mask=None, training=None):
-        """Returns `(outputs, self_attention_weights)`."""
-        if not self.built:
-            self.build(inputs.shape)
-        weights = {}
+    def call(self, inputs, attention_mask=None, return_weights=False, training=None):
+        weights = []
 
         def attend(x):
-            outputs, weights["self"] = self.self_attention.call_with_weights(
-                x, x, attention_mask=attention_mask, training=training
+            outputs, weights_or_none = split_optional(
+                self.self_attention(
+                    x, attention_mask=attention_mask, return_weights=return_weights, training=training
+                ),
+                return_weights,
             )
+            weights.append(weights_or_none)
             return outputs
 
         x = residual_block(
@@ -101,10 +101,7 @@ class EncoderLayer(LayerArguments, keras.layers.Layer):
             self.norm_first,
             training,
         )
-        return x, weights["self"]
-
-    def compute_output_shape(self, inputs_shape):
-        return tuple(inputs_shape)
+        return with_optional(x, weights[0])
 
 
 @register
@@ -122,10 +119,12 @@ class Encoder(TransformerStack):
     Call arguments:
         inputs: scaled token embeddings `(batch, len_src, d_model)`.
         attention_mask: bool `(batch, 1, len_src)`, True = real token.
+        return_weights: also return each layer's self-attention weights.
         training: enables dropout.
 
     Returns:
-        memory `(batch, len_src, d_model)`.
+        memory `(batch, len_src, d_model)`; with `return_weights`, `(memory,
+        [weights (batch, num_heads, len_src, len_src) of each layer])`.
     """
 
     layer_class = EncoderLayer
@@ -151,16 +150,12 @@ class Encoder(TransformerStack):
     def build(self, inputs_shape):
         super().build(inputs_shape)
 
-    def call(self, inputs, attention_mask=None, training=None):
-        return self.call_with_weights(inputs, attention_mask, training)[0]
-
-    def call_with_weights(self, inputs, attention_mask=None, training=None):
-        """Returns `(memory, [self-attention weights of each layer])`."""
-        if not self.built:
-            self.build(inputs.shape)
+    def call(self, inputs, attention_mask=None, return_weights=False, training=None):
         x = self.embed_positions(inputs, training)
         all_weights = []
         for layer in self.stack_layers:
-            x, weights = layer.call_with_weights(x, attention_mask, training=training)
+            x, weights = split_optional(
+                layer(x, attention_mask, return_weights=return_weights, training=training), return_weights
+            )
             all_weights.append(weights)
-        return self.normalize_output(x), all_weights
+        return with_optional(self.normalize_output(x), all_weights if return_weights else None)

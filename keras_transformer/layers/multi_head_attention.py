@@ -22,6 +22,7 @@ from keras import ops
 from keras_transformer.layers.attention import scaled_dot_product_attention
 from keras_transformer.layers.dropout import Dropout
 from keras_transformer.layers.portable_ops import write_at
+from keras_transformer.layers.results import with_optional
 from keras_transformer.utils.checks import check_choice, check_positive_int, check_rate, register
 
 ATTENTION_MODES = ("batched", "per_head")
@@ -50,15 +51,26 @@ class MultiHeadAttention(keras.layers.Layer):
 
     Call arguments:
         query: `(batch, len_q, d_model)`.
-        value: `(batch, len_k, d_model)`.
+        value: `(batch, len_k, d_model)`; defaults to `query` (self-attention).
         key: `(batch, len_k, d_model)`; defaults to `value`.
         attention_mask: bool `(batch, len_q, len_k)` or broadcastable,
             True = may attend (see `keras_transformer.layers.masks`).
+        cache: projected `(keys, values)`, each `(batch, len_k, num_heads,
+            depth)`, for incremental decoding (§3.2.3 at inference). Without
+            `cache_step` the heads attend over it as it is (cross-attention
+            over the memory projected once; `value` and `key` are not
+            passed). With `cache_step` the projections of `key`/`value`
+            (`len_new` positions) are first written into it from that
+            position (self-attention over a fixed-size cache; the mask must
+            hide the positions not written yet).
+        cache_step: scalar int, where this call's keys and values go.
+        return_weights: also return the attention weights.
         training: enables attention dropout.
 
     Returns:
-        `(batch, len_q, d_model)`. `call_with_weights` also returns the
-        attention weights `(batch, num_heads, len_q, len_k)` in float32.
+        `outputs (batch, len_q, d_model)`; then, in this order, the
+        attention weights `(batch, num_heads, len_q, len_k)` in float32 if
+        `return_weights`, and the `(keys, values)` cache if `cache` is given.
 
     Example:
     >>> import numpy as np
@@ -134,51 +146,47 @@ class MultiHeadAttention(keras.layers.Layer):
             return None
         return self.add_weight(name=name, shape=shape, initializer=self.bias_initializer)
 
-    def call(self, query, value, key=None, attention_mask=None, training=None):
-        outputs, _ = self._attend(query, value, key, attention_mask, training, False)
-        return outputs
-
-    def call_with_weights(self, query, value, key=None, attention_mask=None, training=None):
-        """Like `call`, but returns `(outputs, weights)`; weights `(batch, num_heads, len_q, len_k)`."""
-        if not self.built:
-            self.build(query.shape, value.shape)
-        return self._attend(query, value, key, attention_mask, training, True)
-
-    def call_with_cache(self, query, key_cache, value_cache, step, attention_mask=None):
-        """Self-attention of new positions with a fixed-size key/value cache (§3.2.3).
-
-        The keys and values of `query` (the positions `step, step + 1, ...`)
-        are written into the caches in place, then `query` attends over the
-        whole cache; `attention_mask` must hide the positions not written yet.
-
-        Args:
-            query: `(batch, len_new, d_model)`.
-            key_cache, value_cache: `(batch, max_len, num_heads, depth)`.
-            step: scalar int, the position of `query[:, 0]`.
-            attention_mask: bool `(batch|1, len_new, max_len)`.
-
-        Returns:
-            `(outputs (batch, len_new, d_model), key_cache, value_cache)`.
-        """
-        key_cache = write_at(key_cache, ops.cast(self.project_heads(query, "key"), key_cache.dtype), step)
-        value_cache = write_at(
-            value_cache, ops.cast(self.project_heads(query, "value"), value_cache.dtype), step
+    def call(
+        self,
+        query,
+        value=None,
+        key=None,
+        attention_mask=None,
+        cache=None,
+        cache_step=None,
+        return_weights=False,
+        training=None,
+    ):
+        if cache is not None and cache_step is None:  # keys and values projected once (cross-attention)
+            if value is not None or key is not None:
+                raise ValueError(
+                    f"MultiHeadAttention({self.name}): with a cache and no cache_step the keys and "
+                    "values come from the cache; do not pass value or key (pass cache_step to write "
+                    "the projections of value into the cache instead)."
+                )
+            keys, values = self._check_cache(cache)
+        else:
+            value = query if value is None else value
+            key = value if key is None else key
+            keys, values = self.project_heads(key, "key"), self.project_heads(value, "value")
+            if cache is not None:  # written at cache_step; the heads attend over the whole cache
+                key_cache, value_cache = self._check_cache(cache)
+                keys = write_at(key_cache, ops.cast(keys, key_cache.dtype), cache_step)
+                values = write_at(value_cache, ops.cast(values, value_cache.dtype), cache_step)
+        outputs, weights = self.attend_heads(
+            self.project_heads(query, "query"), keys, values, attention_mask, training, return_weights
         )
-        outputs, _ = self.attend_heads(
-            self.project_heads(query, "query"), key_cache, value_cache, attention_mask
+        return with_optional(
+            outputs, weights if return_weights else None, None if cache is None else (keys, values)
         )
-        return outputs, key_cache, value_cache
 
-    def _attend(self, query, value, key, attention_mask, training, return_weights):
-        key = value if key is None else key
-        return self.attend_heads(
-            self.project_heads(query, "query"),
-            self.project_heads(key, "key"),
-            self.project_heads(value, "value"),
-            attention_mask,
-            training,
-            return_weights,
-        )
+    def _check_cache(self, cache):
+        if not isinstance(cache, (tuple, list)) or len(cache) != 2:
+            raise ValueError(
+                f"MultiHeadAttention({self.name}) expects cache=(keys, values), each "
+                f"(batch, len_k, num_heads={self.num_heads}, depth={self.depth}); got {type(cache).__name__}."
+            )
+        return cache
 
     def project_heads(self, inputs, projection):
         """`(batch, len, d_model)` -> `(batch, len, num_heads, depth)`, for "query"|"key"|"value".
@@ -187,6 +195,8 @@ class MultiHeadAttention(keras.layers.Layer):
         TensorFlow ~2x faster than the equivalent einsum without XLA). Per
         head: `inputs @ W_i` for each head i, stacked.
         """
+        if not self.built:  # called before the layer (e.g. to fill a cache)
+            self.build(inputs.shape)
         kernel, bias = self._weight(f"{projection}_kernel"), self._weight(f"{projection}_bias")
         if self.mode == "per_head":
             heads = [
@@ -197,14 +207,14 @@ class MultiHeadAttention(keras.layers.Layer):
         outputs = ops.matmul(inputs, ops.reshape(kernel, (self.d_model, -1)))
         if bias is not None:
             outputs = outputs + ops.reshape(bias, (-1,))
-        return ops.reshape(outputs, (ops.shape(inputs)[0], -1, self.num_heads, self.depth))
+        return ops.reshape(outputs, (ops.shape(inputs)[0], _length(inputs, 1), self.num_heads, self.depth))
 
     def attend_heads(self, query, key, value, attention_mask=None, training=None, return_weights=False):
         """Eq. (1) per head over projected heads `(batch, len, num_heads, depth)`, then W^O.
 
         Returns `((batch, len_q, d_model), weights or None)`; weights
-        `(batch, num_heads, len_q, len_k)` float32. Used by `call` and by
-        incremental decoding, which keeps projected keys and values cached.
+        `(batch, num_heads, len_q, len_k)` float32. `call` projects and calls
+        this; projected keys and values may also come from a cache.
         """
         if self.mode == "per_head":
             heads, head_weights = [], []
@@ -235,7 +245,8 @@ class MultiHeadAttention(keras.layers.Layer):
                 return_attention_weights=True,
             )  # (batch, num_heads, len_q, depth)
             context = ops.reshape(
-                ops.transpose(context, (0, 2, 1, 3)), (ops.shape(context)[0], -1, self.d_model)
+                ops.transpose(context, (0, 2, 1, 3)),
+                (ops.shape(context)[0], _length(context, 2), self.d_model),
             )
         outputs = ops.matmul(context, ops.reshape(self._weight("output_kernel"), (-1, self.d_model)))
         if self.output_bias is not None:
@@ -244,12 +255,9 @@ class MultiHeadAttention(keras.layers.Layer):
 
     def _weight(self, name):
         """A weight in the compute dtype, also outside `__call__`'s autocast
-        (incremental decoding calls `project_heads`/`attend_heads` directly)."""
+        (`Transformer.init_cache` calls `project_heads` directly)."""
         weight = getattr(self, name)
         return None if weight is None else ops.cast(weight, self.compute_dtype)
-
-    def compute_output_shape(self, query_shape, value_shape=None, key_shape=None):
-        return tuple(query_shape[:-1]) + (self.d_model,)
 
     def get_config(self):
         config = super().get_config()
@@ -263,3 +271,9 @@ class MultiHeadAttention(keras.layers.Layer):
             bias_initializer=keras.initializers.serialize(self.bias_initializer),
         )
         return config
+
+
+def _length(tensor, axis):
+    """The static size of `axis` where known (it keeps symbolic shapes exact), else -1 (inferred)."""
+    size = tensor.shape[axis]
+    return -1 if size is None else size

@@ -182,7 +182,7 @@ class Transformer(keras_compat.DistributedFitFixes, keras.Model):
             `(logits (batch, vocab) float32 for position step + 1, cache)`.
         """
         embedded = self.target_embedding(keras.ops.expand_dims(token_ids, axis=1))
-        hidden, cache = self.decoder.call_with_cache(embedded, cache, step, memory_mask)
+        hidden, cache = self.decoder(embedded, memory_mask=memory_mask, cache=cache, cache_step=step)
         return self.project(hidden)[:, 0], cache
 
     def translate_ids(self, source_ids, beam_size=4, length_penalty=0.6, max_extra_length=50, num_return=1):
@@ -223,14 +223,15 @@ class Transformer(keras_compat.DistributedFitFixes, keras.Model):
         """
         source_ids, target_ids = _unpack_inputs(inputs)
         source_mask = padding_mask(source_ids, self.config.pad_id)
-        memory, encoder_self = self.encoder.call_with_weights(
-            self.source_embedding(source_ids), source_mask, training=False
+        memory, encoder_self = self.encoder(
+            self.source_embedding(source_ids), source_mask, return_weights=True, training=False
         )
-        _, decoder_self, decoder_cross = self.decoder.call_with_weights(
+        _, decoder_self, decoder_cross = self.decoder(
             self.target_embedding(target_ids),
             memory,
             padding_mask(target_ids, self.config.pad_id),
             source_mask,
+            return_weights=True,
             training=False,
         )
         return {"encoder_self": encoder_self, "decoder_self": decoder_self, "decoder_cross": decoder_cross}

@@ -12,13 +12,11 @@ Strategies (`select_strategy`):
 import json
 import os
 
+from keras_transformer.training.options import STRATEGIES
 from keras_transformer.utils.checks import UserError
 from keras_transformer.utils.tensorflow import import_tensorflow
 
 tf = import_tensorflow("tf.distribute strategies")
-
-
-STRATEGIES = ("auto", "default", "mirrored", "multi-worker")
 
 
 def select_strategy(name):

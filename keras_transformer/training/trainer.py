@@ -40,65 +40,15 @@ from keras_transformer.training.checkpoints import (
 )
 from keras_transformer.training.distribution import select_strategy, worker_index
 from keras_transformer.training.optimizer import build_for_fit, compile_transformer
+from keras_transformer.training.options import (  # noqa: F401  (TrainingOptions: re-exported, the argument of train)
+    RUN_DEFINING,
+    TrainingOptions,
+    check_options,
+)
 from keras_transformer.training.preemption import Preempted, StopAtStepBoundary, StopSignals
 from keras_transformer.training.run_directory import RunDirectory, save_model
 from keras_transformer.utils.checks import UserError
 from keras_transformer.utils.files import StorageError
-
-# Settings that define the run: a resumed run must be given the same ones.
-RUN_DEFINING = (
-    "data",
-    "source_lang",
-    "target_lang",
-    "preset",
-    "overrides",
-    "vocab_size",
-    "batch_tokens",
-    "max_length",
-    "warmup_steps",
-    "learning_rate_scale",
-    "learning_rate",
-    "clip_norm",
-    "label_smoothing",
-    "grad_accum",
-    "mixed_precision",
-    "seed",
-)
-
-
-@dataclasses.dataclass
-class TrainingOptions:
-    """The arguments of `keras-transformer train` (see `cli.py` for their help)."""
-
-    out: str
-    data: str = "synthetic"
-    data_dir: str = None
-    source_lang: str = "en"
-    target_lang: str = "de"
-    preset: str = "small"
-    overrides: dict = dataclasses.field(default_factory=dict)
-    vocab_size: int = None  # default: DEFAULT_VOCAB_SIZE, capped to what the corpus supports
-    epochs: int = 10
-    batch_tokens: int = 4096
-    max_length: int = None  # of training pairs; default: the model's max_length
-    warmup_steps: int = 4000
-    learning_rate_scale: float = 1.0
-    learning_rate: float = None  # the schedule's peak (after warmup); default: the paper's
-    clip_norm: float = None  # clip every update's gradients to this global norm
-    label_smoothing: float = 0.1
-    strategy: str = "auto"
-    mixed_precision: bool = False
-    xla: bool = False
-    grad_accum: int = 1
-    max_minutes: float = None  # stop after the last epoch that fits in this budget
-    keep_checkpoints: int = 5
-    average_last: int = None  # at the end, average the last N epoch checkpoints into averaged.keras
-    val_bleu: int = 0  # greedy BLEU on the first N validation pairs after every epoch
-    save_every_steps: int = None
-    resume: bool = False
-    overwrite: bool = False
-    seed: int = 0
-    verbose: int = None  # Keras fit verbosity; default: progress bar on a terminal
 
 
 @dataclasses.dataclass
@@ -491,37 +441,6 @@ def _jsonable(options):
         for key, value in dataclasses.asdict(options).items()
         if key not in ("resume", "overwrite", "verbose")
     }
-
-
-def check_options(options):
-    """`UserError` (one line, naming the option) for a setting no run could use."""
-
-    def positive(name, value, flag):
-        if value is not None and not (isinstance(value, (int, float)) and value > 0):
-            raise UserError(f"{flag} must be a number > 0; got {value!r}.")
-
-    positive("learning_rate", options.learning_rate, "--learning-rate")
-    positive("learning_rate_scale", options.learning_rate_scale, "--learning-rate-scale")
-    positive("clip_norm", options.clip_norm, "--clip-norm")
-    positive("max_minutes", options.max_minutes, "--max-minutes")
-    if options.learning_rate is not None and options.learning_rate_scale != 1.0:
-        raise UserError(
-            "--learning-rate (the peak) and --learning-rate-scale both set the "
-            "learning rate; give one of them."
-        )
-    if not (isinstance(options.label_smoothing, (int, float)) and 0 <= options.label_smoothing < 1):
-        raise UserError(f"--label-smoothing must be in [0, 1); got {options.label_smoothing!r}.")
-    if not (isinstance(options.val_bleu, int) and options.val_bleu >= 0):
-        raise UserError(f"--val-bleu must be a number of sentences >= 0; got {options.val_bleu!r}.")
-    if options.average_last is not None:
-        if not (isinstance(options.average_last, int) and options.average_last >= 1):
-            raise UserError(f"--average-last must be a positive integer; got {options.average_last!r}.")
-        if options.average_last > options.keep_checkpoints:
-            raise UserError(
-                f"--average-last {options.average_last} needs at least that many epoch "
-                f"checkpoints; raise --keep-checkpoints (now "
-                f"{options.keep_checkpoints})."
-            )
 
 
 def _check_same_run(stored, options):

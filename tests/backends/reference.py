@@ -1,10 +1,10 @@
-"""The TensorFlow side of tests/backends/test_jax.py: `python reference.py DIR` (TensorFlow backend).
+"""The TensorFlow side of tests/backends/test_backend.py: `python reference.py DIR` (TensorFlow backend).
 
 Builds the tiny model (dropout off), saves it as DIR/model.keras, and writes
 DIR/reference.npz with what the same model computes on TensorFlow: logits,
 greedy and beam-search ids and scores, the logs of two SGD steps of `fit` on
-NumPy arrays, and the weights after them. The JAX test loads the same
-`.keras` file and must compute the same numbers.
+NumPy arrays, and the weights after them. The test on another backend loads
+the same `.keras` file and must compute the same numbers.
 """
 
 import os
@@ -33,10 +33,10 @@ def searches(model, x):
     greedy = kt.greedy_search(model, x["source_ids"][:4], max_extra_length=5)
     beam = kt.beam_search(model, x["source_ids"][:4], beam_size=3, max_extra_length=5, num_return=2)
     return dict(
-        greedy_ids=np.asarray(greedy.ids),
-        greedy_scores=np.asarray(greedy.scores),
-        beam_ids=np.asarray(beam.ids),
-        beam_scores=np.asarray(beam.scores),
+        greedy_ids=keras.ops.convert_to_numpy(greedy.ids),
+        greedy_scores=keras.ops.convert_to_numpy(greedy.scores),
+        beam_ids=keras.ops.convert_to_numpy(beam.ids),
+        beam_scores=keras.ops.convert_to_numpy(beam.scores),
     )
 
 
