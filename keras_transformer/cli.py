@@ -205,7 +205,7 @@ def add_option(parser, name, **changes):
     arguments = {"help": meta["help"]}
     if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
         arguments["required"] = True
-    elif field.type is bool or field.type == "bool":
+    elif field.type is bool:
         arguments["action"] = "store_true"
     elif field.default_factory is not dataclasses.MISSING:  # a repeatable KEY=VALUE option
         arguments.update(action="append", default=[], type=meta["parse"])

@@ -109,7 +109,7 @@ with tf.compat.v1.Session(graph=tf.Graph(), config=config) as session:
             "log_likelihood"].tolist(),
     }
 result["project_modules"] = sorted(
-    m for m in sys.modules if m.split(".")[0] in ("keras_transformer", "export"))
+    m for m in sys.modules if m.split(".")[0] in ("keras_transformer", "keras_transformer_export"))
 print(json.dumps(result))
 """
 

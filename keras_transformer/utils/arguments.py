@@ -16,7 +16,6 @@ class Number:
     def __init__(self, kind, lowest, inclusive, description):
         self.kind, self.lowest, self.inclusive = kind, lowest, inclusive
         self.description = description
-        self.__name__ = description  # argparse names the type by it in its messages
 
     def accepts(self, value):
         """Whether a Python value is such a number (an int for a float too; never a bool)."""
