@@ -27,10 +27,10 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# Then the backend-neutral core on JAX, in its own process (Keras fixes the backend at import).
+# The backend-neutral core on JAX (tests/backends) runs in a process of its own, launched by
+# tests/test_other_backend.py beside the rest (Keras fixes the backend at import).
 test: $(STAMP) lint
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
-	KERAS_BACKEND=jax $(BIN)/python -m pytest -p no:xdist tests/backends
 
 bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e ".[bench]"

@@ -1,5 +1,5 @@
 """The CTranslate2 export: the same log-probabilities as Keras (post-norm, pre-norm, untied
-output), the same translations as `keras-transformer translate` (beam and greedy, 100
+output), the same translations as `keras-transformer translate` (beam and greedy, 40
 sentences), int8 weights, and one-line refusals."""
 
 import json
@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def sentences(synthetic_files):
-    return synthetic_files[0].read_text(encoding="utf-8").splitlines()[-100:]
+    return synthetic_files[0].read_text(encoding="utf-8").splitlines()[-40:]
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +139,7 @@ def test_translations_match_keras(beam_size, exports, run_parts, sentences):
     searches differ in how they refill finished slots and when they stop, so only the
     hypotheses that both find must agree: every sentence that Keras translates before the length
     limit (this 3-epoch model runs into it on most sentences; a trained one rarely does), and
-    at least 90 of the 100 in all."""
+    at least 90% of them in all."""
     model, tokenizer = run_parts
     alpha = 0.6 if beam_size > 1 else 0.0
     keras_translator = Translator(model, tokenizer, beam_size=beam_size, length_penalty=alpha)
@@ -158,7 +158,7 @@ def test_translations_match_keras(beam_size, exports, run_parts, sentences):
     limits = np.minimum((source_ids != 0).sum(1) + 50, model.config.max_length)
     before_limit = (ids != 0).sum(1) < limits
     assert same[before_limit].all()
-    assert same.sum() >= 90, f"{same.sum()}/100 identical; {before_limit.sum()} before the limit"
+    assert same.mean() >= 0.9, f"{same.sum()}/{len(same)} identical; {before_limit.sum()} before the limit"
 
 
 def test_command_line_translation_and_int8(exports, sentences, run_parts):

@@ -21,7 +21,10 @@ from keras_transformer.utils.checks import UserError
 from keras_transformer_export.layout import check_model_name, remove_abandoned, versions, write_models_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SENTENCES = 100
+# Every runtime must reproduce the translations of these sentences token for token. They have 19
+# to 93 source pieces, and this 3-epoch model runs every beam to the length limit, so the suite's
+# decoding time grows with their number (40 take about 40% of the time that 100 took).
+SENTENCES = 40
 
 
 def _env():
@@ -251,8 +254,8 @@ def test_serving_default_survives_bad_input(serving_default):
     assert empty["translation"].shape == (0,) and empty["score"].shape == (0,)
     rng = np.random.default_rng(0)
     words = ["the", "dog", "sees", "a", "cat", "\u00e9t\u00e9", "\U0001f600"]
-    batch = [" ".join(rng.choice(words, size=rng.integers(0, 12))) for _ in range(512)]
-    _check_outputs(serving_default, batch)
+    batch = [" ".join(rng.choice(words, size=rng.integers(0, 12))) for _ in range(160)]
+    _check_outputs(serving_default, batch)  # a batch of mixed lengths, larger than any other here
 
 
 def test_long_source_is_truncated_to_max_length(serving_default, trained_run):
@@ -279,14 +282,14 @@ def test_random_unicode_never_raises_or_changes_batch_size(serving_default):
     rng = np.random.default_rng(1)
     ranges = [(0x0, 0x7F), (0x80, 0x7FF), (0x800, 0xD7FF), (0xE000, 0xFFFD), (0x10000, 0x10FFFF)]
     strings = []
-    for _ in range(300):
+    for _ in range(128):
         chars = []
         for _ in range(rng.integers(0, 16)):
             low, high = ranges[rng.integers(len(ranges))]
             chars.append(chr(rng.integers(low, high + 1)))
         strings.append("".join(chars).encode("utf-8", errors="surrogatepass"))
-    for start in range(0, len(strings), 150):
-        _check_outputs(serving_default, strings[start : start + 150])
+    for start in range(0, len(strings), 64):
+        _check_outputs(serving_default, strings[start : start + 64])
 
 
 def test_score_signature_is_the_models_log_likelihood(exported, trained_run, synthetic_files):

@@ -4,7 +4,7 @@ same numbers as TensorFlow (`reference.py`, run in a TensorFlow subprocess on
 the same `.keras` file).
 
 The backend is fixed when Keras is imported, so this module runs in a process of
-its own: `make test` runs it under `KERAS_BACKEND=jax`; `KERAS_BACKEND=torch
+its own: `tests/test_other_backend.py` runs it under `KERAS_BACKEND=jax`; `KERAS_BACKEND=torch
 pytest -p no:xdist tests/backends` runs it on PyTorch where torch is installed.
 Under TensorFlow it is skipped.
 """
@@ -19,7 +19,7 @@ import pytest
 
 BACKEND = keras.backend.backend()
 pytestmark = pytest.mark.skipif(
-    BACKEND == "tensorflow", reason="run with KERAS_BACKEND=jax (make test does) or torch"
+    BACKEND == "tensorflow", reason="runs under KERAS_BACKEND=jax (tests/test_other_backend.py) or torch"
 )
 
 import keras_transformer as kt  # noqa: E402
