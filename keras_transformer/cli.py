@@ -211,8 +211,6 @@ def add_option(parser, name, **changes):
         arguments.update(action="append", default=[], type=meta["parse"])
     else:
         arguments.update(default=field.default, type=meta["parse"])
-        if field.default is not None:
-            arguments["help"] += f" (default: {field.default})"
     if meta["choices"] is not None:
         arguments["choices"] = meta["choices"]
     if meta["metavar"] is not None:
@@ -220,6 +218,9 @@ def add_option(parser, name, **changes):
     elif "type" in arguments and field.type in (int, float):
         arguments["metavar"] = "N" if field.type is int else "X"
     arguments = {key: value for key, value in {**arguments, **changes}.items() if value is not None}
+    default = arguments.get("default")
+    if default is not None and "action" not in arguments and not arguments.get("required"):
+        arguments["help"] += f" (default: {default})"  # the default this parser really has
     parser.add_argument(flag(name), dest=name, **arguments)
 
 

@@ -117,6 +117,10 @@ def test_train_arguments_are_the_training_options_fields():
     assert options.overrides == {"dropout_rate": 0.3, "num_layers": 3} and options.xla and options.epochs == 2
     assert set(RUN_DEFINING) >= {"data", "preset", "overrides", "batch_tokens", "seed"}
     assert not {"epochs", "out", "resume", "overwrite", "strategy", "verbose"} & set(RUN_DEFINING)
+    # A field reused with another default: the help shows the default that parser has.
+    evaluate_help = cli.build_parser()._subparsers._group_actions[0].choices["evaluate"].format_help()
+    data_help = " ".join(evaluate_help.split()).split("--data DATASET ")[-1].split(" --data-dir")[0]
+    assert data_help == "synthetic | multi30k | files:SRC,TGT", data_help  # required: no default
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,7 @@
 
 Each field of `TrainingOptions` carries its command-line help, parser and
 flag (`option`): the CLI builds `train`'s arguments from them
-(`add_options`), and `check_options` checks a `TrainingOptions` built in
+(`cli.add_option`), and `check_options` checks a `TrainingOptions` built in
 Python against the same parsers, so defaults, help and limits live here only.
 This module imports neither Keras nor TensorFlow (the CLI reads it to build
 its parser).
