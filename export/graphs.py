@@ -13,7 +13,13 @@ runtime runs the same graph.
 | `score`          | source, target strings (batch,)         | log_likelihood float32 (batch,)           |
 | `forward`        | source_ids, target_ids int32            | logits float32 (batch, len_tgt, vocab)    |
 | `encode`         | source_ids                              | memory_mask, cross_key_i, cross_value_i   |
-| `decoder_step`   | token_ids (batch,), step (), memory_mask, past_*, cross_* | logits, log_probs (batch, vocab), present_* |
+| `decoder_step`   | token_ids (rows,), memory_mask, past_*, cross_* | logits, log_probs (rows, vocab), present_* |
+
+The decoding cache is heads-first and grows (`keras_transformer.layers.decoding_cache`):
+`past_key_i` `(rows, num_heads, t, depth)` -> `present_key_i` `(rows, num_heads,
+t + 1, depth)`, rows = sentences x beams; `cross_key_i` `(sentences, num_heads,
+len_src, depth)`, once per sentence. The translate graphs use the growing policy
+(finished sentences leave the loop).
 
 Ids: 0 pad, 1 unk, 2 BOS, 3 EOS. Source ids end with EOS and are padded with
 0; `target_ids` are EOS-terminated and padded with 0 after EOS. Sources
@@ -88,7 +94,7 @@ class TranslationGraphs:
     def specs(self, name):
         """The `tf.TensorSpec`s (named as the inputs) of the function `name`."""
         ids = tf.TensorSpec([None, None], tf.int32, name="source_ids")
-        cache = [None, None, self.config.num_heads, self.depth]
+        cache = [None, self.config.num_heads, None, self.depth]
         return {
             "translate_text": [tf.TensorSpec([None], tf.string, name="text")],
             "source_ids": [tf.TensorSpec([None], tf.string, name="text")],
@@ -101,7 +107,6 @@ class TranslationGraphs:
             "encode": [ids],
             "decoder_step": [
                 tf.TensorSpec([None], tf.int32, name="token_ids"),
-                tf.TensorSpec([], tf.int32, name="step"),
                 tf.TensorSpec([None, 1, None], tf.bool, name="memory_mask"),
                 *[
                     tf.TensorSpec(cache, tf.float32, name=f"{kind}_{i}")
@@ -138,6 +143,7 @@ class TranslationGraphs:
             beam_size=self.beam_size,
             length_penalty=self.length_penalty,
             max_extra_length=self.max_extra_length,
+            cache_policy="growing",
         )
         return {"target_ids": result.ids, "scores": result.scores}
 
@@ -167,28 +173,31 @@ class TranslationGraphs:
         """Encoder half of the split graphs: the padding mask and each decoder layer's cross K/V.
 
         Returns `memory_mask` bool `(batch, 1, len_src)` and `cross_key_i`,
-        `cross_value_i` float32 `(batch, len_src, num_heads, depth)`.
+        `cross_value_i` float32 `(batch, num_heads, len_src, depth)`, once per sentence.
         """
         memory = self.model.encode(source_ids, training=False)
-        cache = self.model.init_cache(memory, 1)
+        cache = self.model.init_cache(memory)
         cross = cache.cross_key + cache.cross_value
         return {
             "memory_mask": padding_mask(source_ids, self.config.pad_id),
             **dict(zip(cross_names(self.num_layers), cross)),
         }
 
-    def decoder_step(self, token_ids, step, memory_mask, *caches):
-        """One cached decoding step: logits for position `step + 1` and the updated self caches.
+    def decoder_step(self, token_ids, memory_mask, *caches):
+        """One cached decoding step: logits for the next position and the grown self caches.
 
-        `caches` are `past_key_0.., past_value_0.., cross_key_0..,
-        cross_value_0..` in this order (`cache_names`); the past ones are
-        `(batch, max_len, num_heads, depth)` with positions `< step` filled.
-        Returns `logits` and their `log_probs` `(batch, vocab)` (the log-softmax
+        `token_ids` `(rows,)` (rows = sentences x beams, a sentence's beams in a
+        row), `memory_mask` `(sentences, 1, len_src)`; `caches` are `past_key_0..,
+        past_value_0.., cross_key_0.., cross_value_0..` in this order
+        (`cache_names`); the past ones `(rows, num_heads, t, depth)` hold the `t`
+        positions decoded so far (0 at the first step, which decodes BOS).
+        Returns `logits` and their `log_probs` `(rows, vocab)` (the log-softmax
         that beam search adds up, computed here so that every runtime rounds it
-        the same way), and `present_key_i`, `present_value_i`.
+        the same way), and `present_key_i`, `present_value_i` `(rows, num_heads,
+        t + 1, depth)`.
         """
         cache = DecodingCache.from_flat(caches, self.num_layers)
-        logits, cache = self.model.decode_step(token_ids, step, cache, memory_mask)
+        logits, cache = self.model.decode_step(token_ids, None, cache, memory_mask)
         present = dict(zip(present_names(self.num_layers), cache.self_key + cache.self_value))
         return {"logits": logits, "log_probs": tf.nn.log_softmax(logits, axis=-1), **present}
 

@@ -9,7 +9,7 @@ Keras 3) and writes, atomically (`keras_transformer_export.layout.atomic_directo
 | `forward.onnx`        | source_ids, target_ids int32 (batch, len) | logits float32 (batch, len_tgt, vocab) |
 | `translate.onnx`      | source_ids int32 (batch, len_src)        | target_ids int32 (batch, max_len), scores float32 (batch,) |
 | `encoder.onnx`        | source_ids                               | memory_mask bool (batch, 1, len_src), cross_key_i, cross_value_i |
-| `decoder_step.onnx`   | token_ids (batch,), step (), memory_mask, past_key_i, past_value_i, cross_key_i, cross_value_i | logits, log_probs (batch, vocab), present_key_i, present_value_i |
+| `decoder_step.onnx`   | token_ids (rows,), memory_mask, past_key_i, past_value_i (rows, heads, t, depth), cross_key_i, cross_value_i | logits, log_probs (rows, vocab), present_key_i, present_value_i (rows, heads, t + 1, depth) |
 | `translate_text.onnx` | text string (batch,)                     | translation string (batch,), score float32 (batch,) |
 | `tokenizer.model`     | the SentencePiece model (for the ids graphs) |                             |
 | `export.json`         | versions, model config, decoding settings, each graph's inputs/outputs |         |

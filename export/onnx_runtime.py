@@ -85,7 +85,12 @@ class SplitBeamSearch:
         return np.power((np.float32(5.0) + np.asarray(length, np.float32)) / np.float32(6.0), self.alpha)
 
     def __call__(self, source_ids):
-        """Source ids int32 `(batch, len_src)` -> `(target_ids (batch, max_len), scores (batch,))`."""
+        """Source ids int32 `(batch, len_src)` -> `(target_ids (batch, max_len), scores (batch,))`.
+
+        As the graph search: the self-attention caches grow by one position per
+        step and are reordered with one gather each; a sentence whose search is
+        final leaves the batch (its rows are dropped from every array).
+        """
         source_ids = np.asarray(source_ids, np.int32)
         if source_ids.shape[1] == 0:  # an empty batch, or no columns: one padding column
             source_ids = np.zeros((source_ids.shape[0], 1), np.int32)
@@ -95,8 +100,9 @@ class SplitBeamSearch:
         lengths = np.sum(source_ids != pad, axis=1).astype(np.int32)
         limits = np.clip(lengths + self.max_extra_length, 1, config["max_length"])
         max_len = int(np.clip(source_length + self.max_extra_length, 1, config["max_length"]))
+        results = np.full((batch, max_len), pad, np.int32), np.full((batch,), NEG_INF, np.float32)
         if batch == 0:
-            return np.zeros((0, max_len), np.int32), np.zeros((0,), np.float32)
+            return results
 
         encoded = dict(
             zip(
@@ -105,62 +111,65 @@ class SplitBeamSearch:
             )
         )
         n, heads, depth = self.num_layers, config["num_heads"], config["d_model"] // config["num_heads"]
-        feed = {"memory_mask": np.repeat(encoded["memory_mask"], beam, axis=0)}
-        for name in cross_names(n):
-            feed[name] = np.repeat(encoded[name], beam, axis=0)
-        empty_cache = np.zeros((batch * beam, max_len, heads, depth), np.float32)
-        for name in past_names(n):
-            feed[name] = empty_cache
+        per_sentence = {name: encoded[name] for name in ["memory_mask", *cross_names(n)]}
+        past = {name: np.zeros((batch * beam, heads, 0, depth), np.float32) for name in past_names(n)}
 
+        sentences = np.arange(batch)  # input index of each sentence still in the loop
         alive = np.full((batch, beam, max_len), pad, np.int32)
         alive_log_probs = np.tile(np.array([0.0] + [NEG_INF] * (beam - 1), np.float32), (batch, 1))
         last = np.full((batch * beam,), config["bos_id"], np.int32)
         finished = alive.copy()
         finished_scores = np.full((batch, beam), NEG_INF, np.float32)
-        finished_log_probs = finished_scores.copy()
-        best_possible_penalty = self.penalty(limits)
         output_names = [o.name for o in self.decoder.get_outputs()]
-        rows = np.arange(batch)[:, None]
-
         for step in range(max_len):
-            done = np.logical_or(
-                finished_scores[:, -1] >= alive_log_probs[:, 0] / best_possible_penalty, step >= limits
+            rows = np.arange(len(sentences))[:, None]
+            outputs = dict(
+                zip(output_names, self.decoder.run(None, {"token_ids": last, **per_sentence, **past}))
             )
-            if done.all():
-                break
-            feed["token_ids"], feed["step"] = last, np.array(step, np.int32)
-            outputs = dict(zip(output_names, self.decoder.run(None, feed)))
-            log_probs = outputs["log_probs"].reshape(batch, beam, -1)
+            log_probs = outputs["log_probs"].reshape(len(sentences), beam, -1)
             vocab = log_probs.shape[-1]
-            is_last = (step >= limits - 1)[:, None, None]
             ids = np.arange(vocab)
             never = np.logical_or(ids == pad, ids == config["bos_id"])  # as decoding._Setup.constrain
+            is_last = (step >= limits - 1)[:, None, None]
             log_probs = np.where(
                 np.logical_or(never, np.logical_and(is_last, ids != eos)), NEG_INF, log_probs
             )
-            candidates = (alive_log_probs[:, :, None] + log_probs).reshape(batch, -1)
+            candidates = (alive_log_probs[:, :, None] + log_probs).reshape(len(sentences), -1)
             top_index = _top_k(candidates, beam)
             top_log_probs = np.take_along_axis(candidates, top_index, axis=1)
             origin, tokens = top_index // vocab, (top_index % vocab).astype(np.int32)
-            sequences = np.take_along_axis(alive, origin[:, :, None], axis=1)
-            sequences[:, :, step] = tokens
+            alive = np.take_along_axis(alive, origin[:, :, None], axis=1)
+            alive[:, :, step] = tokens
             is_eos = tokens == eos
 
             eos_log_probs = np.where(is_eos, top_log_probs, NEG_INF).astype(np.float32)
             pool_scores = np.concatenate([finished_scores, eos_log_probs / self.penalty(step + 1)], axis=1)
-            pool_log_probs = np.concatenate([finished_log_probs, eos_log_probs], axis=1)
-            pool = np.concatenate([finished, sequences], axis=1)
+            pool = np.concatenate([finished, alive], axis=1)
             keep = _top_k(pool_scores, beam)
             finished_scores = np.take_along_axis(pool_scores, keep, axis=1)
-            finished_log_probs = np.take_along_axis(pool_log_probs, keep, axis=1)
             finished = pool[rows, keep]
-            alive = sequences
             alive_log_probs = np.where(is_eos, NEG_INF, top_log_probs).astype(np.float32)
-            last = tokens.reshape(-1)
-            flat_origin = (rows * beam + origin).reshape(-1)
-            for past, present in zip(past_names(n), present_names(n)):
-                feed[past] = outputs[present][flat_origin]
-        return finished[:, 0], finished_scores[:, 0]
+            # As decoding._BeamSearch._sentence_done, before the next position.
+            done = np.logical_or(
+                finished_scores[:, -1] >= alive_log_probs.max(axis=1) / self.penalty(limits), step + 1 >= limits
+            )
+            results[0][sentences[done]] = finished[done, 0]
+            results[1][sentences[done]] = finished_scores[done, 0]
+            staying = np.flatnonzero(~done)
+            flat_origin = (rows * beam + origin)[staying].reshape(-1)
+            for name, present in zip(past_names(n), present_names(n)):
+                past[name] = outputs[present][flat_origin]  # one gather: beam origins of the staying
+            if not len(staying):
+                return results
+            if done.any():
+                per_sentence = {name: value[staying] for name, value in per_sentence.items()}
+                sentences, limits = sentences[staying], limits[staying]
+                alive, alive_log_probs = alive[staying], alive_log_probs[staying]
+                finished, finished_scores = finished[staying], finished_scores[staying]
+            last = tokens[staying].reshape(-1)
+        results[0][sentences] = finished[:, 0]
+        results[1][sentences] = finished_scores[:, 0]
+        return results
 
 
 def _top_k(values, k):

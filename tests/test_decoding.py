@@ -24,7 +24,8 @@ def _unseen_sources(count=200, seed=7):
 
 
 @pytest.mark.parametrize("mode", kt.ATTENTION_MODES)
-def test_cached_step_logits_equal_a_full_forward_pass(mode):
+@pytest.mark.parametrize("policy", ["fixed", "growing"])
+def test_cached_step_logits_equal_a_full_forward_pass(mode, policy):
     model = kt.Transformer.from_preset("tiny", vocab_size=30, attention_mode=mode)
     rng = np.random.default_rng(0)
     source = rng.integers(4, 30, size=(3, 6)).astype("int32")
@@ -32,23 +33,39 @@ def test_cached_step_logits_equal_a_full_forward_pass(mode):
     target = np.concatenate([np.full((3, 1), 2), rng.integers(4, 30, size=(3, 7))], axis=1)
     full = np.asarray(model({"source_ids": source, "target_ids": target}))  # (3, 8, vocab)
     memory = model.encode(source)
-    cache = model.init_cache(memory, max_length=10)
+    cache = model.init_cache(memory, max_length=10 if policy == "fixed" else None)
     mask = kt.padding_mask(source)
     for step in range(target.shape[1]):
-        logits, cache = model.decode_step(target[:, step], step, cache, mask)
+        logits, cache = model.decode_step(target[:, step], step if policy == "fixed" else None, cache, mask)
         np.testing.assert_allclose(logits, full[:, step], atol=1e-5, err_msg=f"step {step}")
+        assert cache.self_key[0].shape[2] == (10 if policy == "fixed" else step + 1)
 
 
-def test_cross_attention_keys_are_computed_once_and_self_cache_fills_in_place():
+def test_cross_attention_keys_are_computed_once_per_sentence_for_every_beam():
+    """Cross keys/values once per sentence, heads-first; the beams of a sentence (rows in a
+    row) read them through the folded query axis and get what per-beam copies give."""
+    model = kt.Transformer.from_preset("tiny", vocab_size=30)
+    source = np.array([[5, 6, 7], [8, 9, 0]], "int32")
+    cache = model.init_cache(model.encode(source), beam_size=3)
+    assert cache.self_key[0].shape == (6, 4, 0, 16)
+    assert cache.cross_key[0].shape == (2, 4, 3, 16)
+    tokens = np.array([2, 2, 2, 2, 2, 2], "int32")
+    logits, after = model.decode_step(tokens, None, cache, kt.padding_mask(source))
+    assert after.self_key[0].shape == (6, 4, 1, 16)
+    np.testing.assert_array_equal(after.cross_key[1], cache.cross_key[1])
+    repeated = model.init_cache(model.encode(np.repeat(source, 3, axis=0)))
+    expected, _ = model.decode_step(tokens, None, repeated, kt.padding_mask(np.repeat(source, 3, axis=0)))
+    np.testing.assert_allclose(logits, expected, atol=1e-5)
+
+
+def test_a_fixed_size_cache_fills_in_place():
     model = kt.Transformer.from_preset("tiny", vocab_size=30)
     source = np.array([[5, 6, 7]], "int32")
     cache = model.init_cache(model.encode(source), max_length=6)
-    assert cache.self_key[0].shape == (1, 6, 4, 16)
-    assert cache.cross_key[0].shape == (1, 3, 4, 16)
+    assert cache.self_key[0].shape == (1, 4, 6, 16)
     _, after = model.decode_step(np.array([2], "int32"), 0, cache, kt.padding_mask(source))
-    written = np.abs(np.asarray(after.self_key[0])).sum(axis=(0, 2, 3))
+    written = np.abs(np.asarray(after.self_key[0])).sum(axis=(0, 1, 3))
     assert written[0] > 0 and np.all(written[1:] == 0)
-    np.testing.assert_array_equal(after.cross_key[1], cache.cross_key[1])
 
 
 def test_beam_of_one_without_penalty_is_greedy(reverse_model):
@@ -130,6 +147,61 @@ def test_xla_compiled_decoding_gives_the_eager_tokens(reverse_model, search):
     compiled = tf.function(decode, jit_compile=True)(tf.constant(sources))
     np.testing.assert_array_equal(compiled.ids, eager.ids)
     np.testing.assert_allclose(compiled.scores, eager.scores, atol=1e-4)
+
+
+@pytest.mark.parametrize("search", ["greedy", "beam"])
+def test_both_cache_policies_give_the_same_tokens_eagerly_and_in_a_graph(reverse_model, search):
+    """The growing cache (sentences leaving the batch) and the fixed-size one (all stay)."""
+    model = reverse_model.model
+    sources = _unseen_sources(12, seed=37)
+
+    def decode(s, policy):
+        if search == "greedy":
+            return kt.greedy_search(model, s, cache_policy=policy)
+        return kt.beam_search(model, s, beam_size=4, num_return=4, cache_policy=policy)
+
+    fixed = decode(sources, "fixed")
+    graph = tf.function(
+        lambda s: decode(s, "growing"), input_signature=[tf.TensorSpec([None, None], tf.int32)]
+    )
+    for result in (decode(sources, "growing"), graph(tf.constant(sources))):
+        np.testing.assert_array_equal(result.ids, fixed.ids)
+        np.testing.assert_allclose(result.scores, fixed.scores, atol=1e-5)
+        np.testing.assert_allclose(result.log_probs, fixed.log_probs, atol=1e-5)
+
+
+def test_finished_sentences_leave_the_batch(reverse_model, monkeypatch):
+    """With the growing cache a sentence whose search is final stops costing decoder rows;
+    its result stays in input order."""
+    model = reverse_model.model
+    sources = _unseen_sources(6, seed=41)
+    sources[0, 2:] = 0  # a short sentence finishes early
+    sources[0, 1] = 3
+    rows = []
+    decode_step = type(model).decode_step
+
+    def counting(self, token_ids, *args):
+        rows.append(int(token_ids.shape[0]))
+        return decode_step(self, token_ids, *args)
+
+    monkeypatch.setattr(type(model), "decode_step", counting)
+    growing = kt.beam_search(model, sources, beam_size=2, cache_policy="growing")
+    steps_growing, rows_growing = len(rows), list(rows)
+    rows.clear()
+    fixed = kt.beam_search(model, sources, beam_size=2, cache_policy="fixed")
+    np.testing.assert_array_equal(growing.ids, fixed.ids)
+    assert rows == [12] * len(rows) and steps_growing == len(rows)
+    assert (
+        rows_growing[0] == 12 and rows_growing[-1] < 12 and rows_growing == sorted(rows_growing, reverse=True)
+    )
+
+
+def test_a_growing_cache_under_xla_is_refused_with_advice(reverse_model):
+    decode = tf.function(
+        lambda s: kt.beam_search(reverse_model.model, s, cache_policy="growing").ids, jit_compile=True
+    )
+    with pytest.raises(ValueError, match='use cache_policy="fixed"'):
+        decode(tf.constant(_unseen_sources(2, seed=43)))
 
 
 def test_uncached_decoding_gives_the_cached_tokens(reverse_model):
@@ -214,6 +286,7 @@ def test_all_padding_source_gives_a_defined_result():
         (dict(beam_size=2, num_return=3), "num_return=3 must be <= beam_size=2"),
         (dict(max_extra_length=-1), "max_extra_length must be an integer >= 0"),
         (dict(length_penalty=-0.5), "length_penalty must be a number >= 0"),
+        (dict(cache_policy="dynamic"), "cache_policy must be one of"),
     ],
 )
 def test_bad_search_arguments_raise_value_error(arguments, message):
@@ -254,8 +327,11 @@ def test_decoding_cache_is_named_reorders_and_flattens():
     _, cache = model.decode_step(np.array([2, 2], "int32"), 0, cache, kt.padding_mask(source))
     swapped = cache.reorder(np.array([1, 0]))
     np.testing.assert_array_equal(swapped.self_key[0][0], cache.self_key[0][1])
-    np.testing.assert_array_equal(swapped.cross_key[0], cache.cross_key[0])  # same for every beam
+    np.testing.assert_array_equal(swapped.cross_key[0], cache.cross_key[0])  # per sentence: unchanged
+    assert swapped.cross_key[0].shape[0] == 2
+    second = cache.select_sentences(np.array([1]))
+    np.testing.assert_array_equal(second.cross_value[1][0], cache.cross_value[1][1])
+    assert second.self_key[0].shape[0] == 2  # the rows leave through reorder
     assert DecodingCache.from_flat(cache.flat(), cache.num_layers) == cache
-    assert cache.repeat(3).self_key[0].shape[0] == 6
     with pytest.raises(ValueError, match="is 8 tensors; got 3"):
         DecodingCache.from_flat(cache.flat()[:3], 2)

@@ -4,7 +4,7 @@ import pytest
 import tensorflow as tf
 
 import keras_transformer as kt
-from keras_transformer.layers.dropout import _in_xla_computation
+from keras_transformer.layers.dropout import in_xla_computation
 
 
 @pytest.mark.parametrize("jit_compile", [False, True])
@@ -55,10 +55,10 @@ def test_dropout_seed_reproduces_and_config_round_trips():
 def test_xla_context_is_detected():
     seen = []
     tf.function(
-        lambda: seen.append(_in_xla_computation()) or tf.constant(0), jit_compile=True, autograph=False
+        lambda: seen.append(in_xla_computation()) or tf.constant(0), jit_compile=True, autograph=False
     )()
-    tf.function(lambda: seen.append(_in_xla_computation()) or tf.constant(0), autograph=False)()
-    assert seen == [True, False] and not _in_xla_computation()
+    tf.function(lambda: seen.append(in_xla_computation()) or tf.constant(0), autograph=False)()
+    assert seen == [True, False] and not in_xla_computation()
 
 
 @pytest.mark.parametrize(

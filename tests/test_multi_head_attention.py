@@ -113,43 +113,78 @@ def test_wrong_input_width_is_reported():
 
 
 @pytest.mark.parametrize("mode", kt.ATTENTION_MODES)
-def test_self_attention_through_a_cache_written_step_by_step_equals_causal_attention(mode):
-    """A fixed-size cache filled one position per call gives causal self-attention (§3.2.3)."""
+@pytest.mark.parametrize("policy", ["fixed", "growing"])
+def test_self_attention_through_a_cache_filled_step_by_step_equals_causal_attention(mode, policy):
+    """A heads-first cache filled one position per call gives causal self-attention (§3.2.3),
+    written into preallocated positions (fixed) or appended (growing)."""
     x, _, _ = _inputs(len_q=6)
     layer = kt.MultiHeadAttention(num_heads=4, d_model=16, mode=mode)
     full, full_weights = layer(x, attention_mask=kt.causal_mask(6), return_weights=True)
-    cache = (np.zeros((2, 6, 4, 4), "float32"),) * 2
+    cache = (np.zeros((2, 4, 6 if policy == "fixed" else 0, 4), "float32"),) * 2
     for step in range(6):
-        outputs, weights, cache = layer(
-            x[:, step : step + 1],
-            attention_mask=kt.causal_mask(1, 6, offset=step),
-            cache=cache,
-            cache_step=step,
-            return_weights=True,
-        )
+        if policy == "fixed":
+            options = dict(attention_mask=kt.causal_mask(1, 6, offset=step), cache_step=step)
+        else:
+            options = dict(append_to_cache=True)
+        outputs, weights, cache = layer(x[:, step : step + 1], cache=cache, return_weights=True, **options)
+        assert cache[0].shape == (2, 4, 6 if policy == "fixed" else step + 1, 4)
         np.testing.assert_allclose(outputs[:, 0], full[:, step], atol=1e-5, err_msg=f"step {step}")
-        np.testing.assert_allclose(weights[:, :, 0], full_weights[:, :, step], atol=1e-6)
-    np.testing.assert_allclose(cache[0], layer.project_heads(x, "key"), atol=1e-6)
+        np.testing.assert_allclose(weights[:, :, 0], full_weights[:, :, step, : weights.shape[-1]], atol=1e-6)
+    heads_first = np.transpose(layer.project_heads(x, "key"), (0, 2, 1, 3))
+    np.testing.assert_allclose(cache[0], heads_first, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", kt.ATTENTION_MODES)
+def test_the_fused_projections_equal_the_separate_ones(mode):
+    x, _, _ = _inputs()
+    layer = kt.MultiHeadAttention(num_heads=4, d_model=16, mode=mode)
+    query, keys, values = layer.project_self_attention(x)
+    np.testing.assert_allclose(query, layer.project_heads(x, "query"), atol=1e-6)
+    for fused, name in ((keys, "key"), (values, "value")):
+        np.testing.assert_allclose(fused, np.transpose(layer.project_heads(x, name), (0, 2, 1, 3)), atol=1e-6)
+    np.testing.assert_allclose(layer.project_key_value(x)[1], values, atol=1e-6)
 
 
 def test_a_read_only_cache_holds_the_projected_keys_and_values():
     """Cross-attention over a memory projected once equals projecting it at every call."""
     query, value, mask = _inputs()
     layer = kt.MultiHeadAttention(num_heads=4, d_model=16)
-    projected = (layer.project_heads(value, "key"), layer.project_heads(value, "value"))
+    projected = layer.project_key_value(value)
     outputs, cache = layer(query, attention_mask=mask, cache=projected)
     np.testing.assert_allclose(outputs, layer(query, value, attention_mask=mask), atol=1e-6)
     assert cache[0] is projected[0] and cache[1] is projected[1]
 
 
+@pytest.mark.parametrize("mode", kt.ATTENTION_MODES)
+def test_queries_of_several_rows_per_cache_row_are_folded(mode):
+    """Beams of a sentence share its cross-attention cache: 3 query rows per cache row give
+    what the cache repeated 3 times gives, weights included."""
+    query, value, mask = _inputs(len_q=1)
+    layer = kt.MultiHeadAttention(num_heads=4, d_model=16, mode=mode)
+    beams = np.concatenate([query, query[:, :, ::-1], 2 * query], axis=1).reshape(6, 1, 16)  # 3 per sentence
+    outputs, weights, _ = layer(
+        beams, attention_mask=mask, cache=layer.project_key_value(value), return_weights=True
+    )
+    repeated = layer.project_key_value(np.repeat(value, 3, axis=0))
+    expected, expected_weights, _ = layer(
+        beams, attention_mask=np.repeat(mask, 3, axis=0), cache=repeated, return_weights=True
+    )
+    np.testing.assert_allclose(outputs, expected, atol=1e-6)
+    np.testing.assert_allclose(weights, expected_weights, atol=1e-6)
+
+
 def test_cache_mistakes_are_reported():
     query, value, _ = _inputs()
     layer = kt.MultiHeadAttention(num_heads=4, d_model=16)
-    projected = (layer.project_heads(value, "key"), layer.project_heads(value, "value"))
+    projected = layer.project_key_value(value)
     with pytest.raises(ValueError, match="do not pass value or key"):
         layer(query, value, cache=projected)
     with pytest.raises(ValueError, match=r"expects cache=\(keys, values\)"):
         layer(query, cache=projected[0])
+    with pytest.raises(ValueError, match="not both"):
+        layer(query, cache=projected, cache_step=0, append_to_cache=True)
+    with pytest.raises(ValueError, match="need a cache"):
+        layer(query, append_to_cache=True)
 
 
 def test_return_weights_works_in_a_functional_model():
@@ -171,7 +206,7 @@ def test_mixed_precision_autocasts_a_cached_call():
     """Through `__call__`, a bfloat16 layer computes in bfloat16 from float32 inputs."""
     x, _, _ = _inputs(len_q=1)
     layer = kt.MultiHeadAttention(num_heads=4, d_model=16, dtype="mixed_bfloat16")
-    cache = (np.zeros((2, 3, 4, 4), "float32"),) * 2
+    cache = (np.zeros((2, 4, 3, 4), "float32"),) * 2
     outputs, (keys, values) = layer(x, attention_mask=kt.causal_mask(1, 3), cache=cache, cache_step=0)
     assert keras.backend.standardize_dtype(outputs.dtype) == "bfloat16"
     assert keras.backend.standardize_dtype(keys.dtype) == "bfloat16"

@@ -253,5 +253,3 @@ def test_decoder_memory_and_cache_mistakes_are_reported():
         model.decoder(embedded)
     with pytest.raises(ValueError, match="do not also pass memory"):
         model.decoder(embedded, memory, cache=cache, cache_step=0)
-    with pytest.raises(ValueError, match="needs cache_step"):
-        model.decoder(embedded, cache=cache)

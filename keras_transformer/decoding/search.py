@@ -3,12 +3,23 @@
 Shape legend: batch = sentences, beam = beam_size, len_src = source positions,
 max_len = decoding steps (= output tokens, EOS included), vocab.
 
-Both searches are one `keras.ops.while_loop` with loop variables of fixed
-shape, so they run eagerly, inside `tf.function` (also `jit_compile=True`) and
-in exported graphs. With `use_cache=True` (the default) the decoder runs one
-position per step against a preallocated key/value cache (`Transformer.
-init_cache` / `decode_step`); with `use_cache=False` it re-runs over the whole
-prefix every step (as the TensorFlow tutorial does; for benchmarks, not XLA).
+Both searches are one loop (`keras.ops.while_loop`, or `tf.while_loop` with
+relaxed shape invariants where shapes change), so they run eagerly, inside
+`tf.function` (also `jit_compile=True`) and in exported graphs. With
+`use_cache=True` (the default) the decoder runs one position per step
+against a key/value cache (`Transformer.init_cache` / `decode_step`), under
+one of two policies (`cache_policy`, see `keras_transformer.layers.
+decoding_cache`):
+- `"growing"`: the self-attention cache grows by one position per step, and
+  a sentence whose beam search is final leaves the batch (its rows are
+  dropped from every loop tensor; its result is kept in input order). The
+  default on TensorFlow (without XLA) and PyTorch.
+- `"fixed"`: preallocated `max_len` positions, every sentence stays until
+  the last one is done: static shapes, for XLA (`jit_compile=True`) and JAX,
+  where it is the default.
+Both give the same tokens. With `use_cache=False` the decoder re-runs over
+the whole prefix every step (as the TensorFlow tutorial does; for
+benchmarks, not XLA).
 
 Output length: each sentence may produce `min(source_length + max_extra_length,
 model max_length)` tokens, EOS included (§6.1: "input length + 50"); at the
@@ -26,11 +37,13 @@ from typing import NamedTuple
 import keras
 from keras import ops
 
+from keras_transformer.layers.dropout import in_xla_computation
 from keras_transformer.layers.masks import padding_mask
 from keras_transformer.layers.portable_ops import write_at
 from keras_transformer.utils.checks import check_positive_int
 
 NEG_INF = -1.0e9  # "impossible" log-probability; finite, so 0 * NEG_INF stays 0
+CACHE_POLICIES = ("auto", "growing", "fixed")
 
 
 def _inference(search):
@@ -42,6 +55,42 @@ def _inference(search):
             return search(*args, **kwargs)
 
     return run
+
+
+def resolve_cache_policy(cache_policy):
+    """`"growing"` or `"fixed"` for `cache_policy` (`"auto"`: fixed on JAX and under XLA)."""
+    if cache_policy not in CACHE_POLICIES:
+        raise ValueError(f"cache_policy must be one of {CACHE_POLICIES}; got {cache_policy!r}.")
+    static_shapes = keras.backend.backend() == "jax" or (
+        keras.backend.backend() == "tensorflow" and in_xla_computation()
+    )
+    if cache_policy == "growing" and static_shapes:
+        raise ValueError(
+            'cache_policy="growing" changes tensor shapes every step, which XLA and JAX cannot '
+            'compile; use cache_policy="fixed" (or "auto").'
+        )
+    if cache_policy == "auto":
+        return "fixed" if static_shapes else "growing"
+    return cache_policy
+
+
+def _while_loop(cond, body, loop_vars, shapes_change):
+    """`keras.ops.while_loop(cond, body, loop_vars)` (a tuple), also where the loop tensors'
+    shapes change from one iteration to the next (`shapes_change`: a growing cache, a
+    shrinking batch): then `tf.while_loop` with every dimension relaxed on TensorFlow, a
+    Python loop on PyTorch."""
+    if not shapes_change:
+        return ops.while_loop(cond, body, loop_vars)
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        loop_vars = tf.nest.map_structure(tf.convert_to_tensor, tuple(loop_vars))
+        invariants = tf.nest.map_structure(lambda t: tf.TensorShape([None] * t.shape.rank), loop_vars)
+        return tf.while_loop(cond, lambda *v: tuple(body(*v)), loop_vars, shape_invariants=invariants)
+    loop_vars = tuple(loop_vars)
+    while bool(ops.convert_to_numpy(cond(*loop_vars))):
+        loop_vars = tuple(body(*loop_vars))
+    return loop_vars
 
 
 def _no_gradients():
@@ -68,7 +117,15 @@ class Translations(NamedTuple):
 
 
 @_inference
-def greedy_search(model, source_ids, max_length=None, max_extra_length=50, min_length=0, use_cache=True):
+def greedy_search(
+    model,
+    source_ids,
+    max_length=None,
+    max_extra_length=50,
+    min_length=0,
+    use_cache=True,
+    cache_policy="auto",
+):
     """Picks the most probable token at every step.
 
     Args:
@@ -81,16 +138,17 @@ def greedy_search(model, source_ids, max_length=None, max_extra_length=50, min_l
         min_length: EOS is not allowed before this many tokens (EOS
             included), unless the length limit forces it.
         use_cache: incremental decoding with the key/value cache.
+        cache_policy: `"auto"`, `"growing"` or `"fixed"` (module docstring).
 
     Returns:
         `Translations` with ids `(batch, max_len)` and scores `(batch,)`.
     """
     setup = _Setup(model, source_ids, max_length, max_extra_length, min_length)
-    decoder = (_CachedDecoder if use_cache else _PrefixDecoder)(model, setup, beam_size=1)
+    decoder = _make_decoder(model, setup, 1, use_cache, cache_policy)
     batch, config = setup.batch, model.config
     tokens = ops.full((batch, setup.max_len), config.pad_id, "int32")
     state = (
-        0,
+        ops.zeros((), "int32"),
         tokens,
         ops.full((batch,), config.bos_id, "int32"),
         ops.zeros((batch,), "float32"),
@@ -112,7 +170,7 @@ def greedy_search(model, source_ids, max_length=None, max_extra_length=50, min_l
         finished = ops.logical_or(finished, ops.equal(next_tokens, config.eos_id))
         return step + 1, tokens, next_tokens, log_probs, finished, decoder_state
 
-    _, tokens, _, log_probs, _, _ = ops.while_loop(cond, body, state)
+    _, tokens, _, log_probs, _, _ = _while_loop(cond, body, state, decoder.shapes_change)
     return Translations(tokens, log_probs, log_probs)
 
 
@@ -127,6 +185,7 @@ def beam_search(
     max_length=None,
     min_length=0,
     use_cache=True,
+    cache_policy="auto",
 ):
     """Beam search with the GNMT length penalty and a pool of finished hypotheses (§6.1).
 
@@ -149,6 +208,8 @@ def beam_search(
         min_length: EOS is not allowed before this many tokens (EOS
             included), unless the length limit forces it.
         use_cache: incremental decoding with the key/value cache.
+        cache_policy: `"auto"`, `"growing"` (finished sentences also leave
+            the batch) or `"fixed"` (module docstring).
 
     Returns:
         `Translations`, best first; ids `(batch, max_len)` for `num_return=1`,
@@ -161,7 +222,7 @@ def beam_search(
     if not length_penalty >= 0:
         raise ValueError(f"length_penalty must be a number >= 0; got {length_penalty!r}.")
     setup = _Setup(model, source_ids, max_length, max_extra_length, min_length)
-    decoder = (_CachedDecoder if use_cache else _PrefixDecoder)(model, setup, beam_size)
+    decoder = _make_decoder(model, setup, beam_size, use_cache, cache_policy)
     search = _BeamSearch(model, setup, decoder, beam_size, length_penalty)
     ids, scores, log_probs = search.run()
     if num_return == 1:
@@ -207,15 +268,17 @@ class _Setup:
         # decoding (no target padding mask) differ from a full forward pass.
         self.never = ops.logical_or(ops.equal(ids, config.pad_id), ops.equal(ids, config.bos_id))
 
-    def constrain(self, log_probs, step):
+    def constrain(self, log_probs, step, limits=None):
         """Applies the output rules to one step's log-probabilities.
 
         Pad and BOS are impossible; EOS is impossible before `min_length`
         tokens, and the only possibility at a sentence's last allowed step.
         The other log-probabilities are not renormalized (as fairseq does).
-        log_probs: `(batch, vocab)` or `(batch, beam, vocab)`.
+        log_probs: `(batch, vocab)` or `(batch, beam, vocab)`; `limits`
+        `(batch,)`, default every sentence's (`self.limits`).
         """
-        last = ops.greater_equal(step, self.limits - 1)  # (batch,)
+        limits = self.limits if limits is None else limits
+        last = ops.greater_equal(step, limits - 1)  # (batch,)
         last = ops.reshape(last, (-1,) + (1,) * (len(log_probs.shape) - 1))
         log_probs = ops.where(self.never, NEG_INF, log_probs)
         if self.min_length > 1:
@@ -229,28 +292,49 @@ def _repeat(tensor, times):
     return tensor if times == 1 else ops.repeat(tensor, times, axis=0)
 
 
-class _CachedDecoder:
-    """One position per step; the key/value cache is reordered with the beams."""
+def _make_decoder(model, setup, beam_size, use_cache, cache_policy):
+    if not use_cache:
+        resolve_cache_policy(cache_policy)  # checks the argument
+        return _PrefixDecoder(model, setup, beam_size)
+    return _CachedDecoder(model, setup, beam_size, resolve_cache_policy(cache_policy))
 
-    def __init__(self, model, setup, beam_size):
-        self.model, self.setup, self.beam_size = model, setup, beam_size
-        self.memory_mask = _repeat(setup.memory_mask, beam_size)
+
+class _CachedDecoder:
+    """One position per step. State: `(DecodingCache, memory_mask (sentences, 1, len_src))`;
+    the self-attention cache has a row per beam, the cross-attention one a row per sentence."""
+
+    def __init__(self, model, setup, beam_size, policy):
+        self.model, self.setup, self.beam_size, self.policy = model, setup, beam_size, policy
+        self.shapes_change = self.shrinks = policy == "growing"
 
     def initial_state(self):
-        # Per sentence, then per beam.
-        return self.model.init_cache(self.setup.memory, self.setup.max_len).repeat(self.beam_size)
+        max_length = None if self.shrinks else self.setup.max_len
+        return self.model.init_cache(self.setup.memory, max_length, self.beam_size), self.setup.memory_mask
 
-    def step(self, last_tokens, prefix, step, cache):
-        return self.model.decode_step(last_tokens, step, cache, self.memory_mask)
+    def step(self, last_tokens, prefix, step, state):
+        cache, memory_mask = state
+        logits, cache = self.model.decode_step(
+            last_tokens, None if self.policy == "growing" else step, cache, memory_mask
+        )
+        return logits, (cache, memory_mask)
 
     @staticmethod
-    def reorder(cache, flat_beam_index):
-        """Gathers the self-attention caches by beam origin (cross-attention ones never change)."""
-        return cache.reorder(flat_beam_index)
+    def reorder(state, flat_beam_index):
+        """Gathers the self-attention caches by beam origin `(rows,)` (one gather per tensor)."""
+        cache, memory_mask = state
+        return cache.reorder(flat_beam_index), memory_mask
+
+    @staticmethod
+    def select_sentences(state, indices):
+        """Keeps the sentences `indices` of the per-sentence tensors."""
+        cache, memory_mask = state
+        return cache.select_sentences(indices), ops.take(memory_mask, indices, axis=0)
 
 
 class _PrefixDecoder:
     """No cache: re-runs the decoder over BOS + the whole prefix every step."""
+
+    shapes_change = shrinks = False
 
     def __init__(self, model, setup, beam_size):
         self.model, self.setup, self.beam_size = model, setup, beam_size
@@ -274,7 +358,14 @@ class _PrefixDecoder:
 
 
 class _BeamSearch:
-    """The beam-search loop; state tensors are `(batch, beam, ...)`."""
+    """The beam-search loop; state tensors are `(sentences, beam, ...)` for the sentences still
+    in the loop (all of them unless the decoder `shrinks`)."""
+
+    # Per-sentence state, dropped together when sentences leave the batch.
+    SENTENCE_KEYS = (
+        "sentences", "limits", "alive", "alive_log_probs", "finished", "finished_scores",
+        "finished_log_probs", "done",
+    )  # fmt: skip
 
     def __init__(self, model, setup, decoder, beam_size, length_penalty):
         self.config, self.setup, self.decoder = model.config, setup, decoder
@@ -288,43 +379,61 @@ class _BeamSearch:
         batch, beam, config = self.setup.batch, self.beam_size, self.config
         sequences = ops.full((batch, beam, self.setup.max_len), config.pad_id, "int32")
         only_first = ops.concatenate([ops.zeros((1,)), ops.full((beam - 1,), NEG_INF)], axis=0)
+        no_scores = ops.full((batch, beam), NEG_INF)
         state = dict(
             step=ops.zeros((), "int32"),
+            sentences=ops.arange(batch, dtype="int32"),  # input index of each sentence in the loop
+            limits=self.setup.limits,
             alive=sequences,
             alive_log_probs=ops.tile(only_first[None], (batch, 1)),  # (batch, beam)
             last=ops.full((batch * beam,), config.bos_id, "int32"),
             finished=sequences,
-            finished_scores=ops.full((batch, beam), NEG_INF),
-            finished_log_probs=ops.full((batch, beam), NEG_INF),
+            finished_scores=no_scores,
+            finished_log_probs=no_scores,
+            done=ops.zeros((batch,), "bool"),
             decoder_state=self.decoder.initial_state(),
         )
-        final = ops.while_loop(lambda s: self._not_done(s), lambda s: (self._step(s),), (state,))[0]
-        return final["finished"], final["finished_scores"], final["finished_log_probs"]
+        if self.decoder.shrinks:  # the finished pools of the sentences that left, in input order
+            state["results"] = (sequences, no_scores, no_scores)
+        final = _while_loop(
+            lambda s: self._not_done(s), lambda s: (self._step(s),), (state,), self.decoder.shapes_change
+        )[0]
+        if not self.decoder.shrinks:
+            return final["finished"], final["finished_scores"], final["finished_log_probs"]
+        # The sentences still in the loop (stopped by max_len) join the results.
+        return self._write_results(final, ops.arange(ops.shape(final["sentences"])[0], dtype="int32"))
 
     def _not_done(self, state):
-        # A live hypothesis can at best keep its log-probability and get the
-        # largest length penalty allowed for its sentence.
-        best_alive = state["alive_log_probs"][:, 0] / self.penalty(self.setup.limits)
-        worst_finished = state["finished_scores"][:, -1]
-        sentence_done = ops.logical_or(
-            ops.greater_equal(worst_finished, best_alive),
-            ops.greater_equal(state["step"], self.setup.limits),
+        return ops.logical_and(state["step"] < self.setup.max_len, ops.logical_not(ops.all(state["done"])))
+
+    def _sentence_done(self, step, limits, alive_log_probs, finished_scores):
+        """Whether each sentence's search is final before decoding position `step` `(sentences,)`.
+
+        A live hypothesis can at best keep its log-probability and get the
+        largest length penalty allowed for its sentence. The best live one is
+        the maximum, not slot 0: a slot whose candidate ended in EOS is dead
+        (`NEG_INF`) for a step, and reading slot 0 then took the search for
+        final while live hypotheses could still beat the pool.
+        """
+        best_alive = ops.max(alive_log_probs, axis=1) / self.penalty(limits)
+        return ops.logical_or(
+            ops.greater_equal(finished_scores[:, -1], best_alive), ops.greater_equal(step, limits)
         )
-        return ops.logical_and(state["step"] < self.setup.max_len, ops.logical_not(ops.all(sentence_done)))
 
     def _step(self, state):
-        batch, beam, step = self.setup.batch, self.beam_size, state["step"]
+        beam, step, limits = self.beam_size, state["step"], state["limits"]
+        sentences = ops.shape(limits)[0]
         logits, decoder_state = self.decoder.step(state["last"], state["alive"], step, state["decoder_state"])
-        log_probs = ops.reshape(ops.log_softmax(logits, axis=-1), (batch, beam, -1))
-        log_probs = self.setup.constrain(log_probs, step)
+        log_probs = ops.reshape(ops.log_softmax(logits, axis=-1), (sentences, beam, -1))
+        log_probs = self.setup.constrain(log_probs, step, limits)
         vocab = ops.shape(log_probs)[-1]
-        candidates = ops.reshape(state["alive_log_probs"][:, :, None] + log_probs, (batch, -1))
-        top_log_probs, top_index = ops.top_k(candidates, k=beam)  # (batch, beam)
+        candidates = ops.reshape(state["alive_log_probs"][:, :, None] + log_probs, (sentences, -1))
+        top_log_probs, top_index = ops.top_k(candidates, k=beam)  # (sentences, beam)
         origin = top_index // vocab  # which live hypothesis each candidate extends
         tokens = ops.cast(top_index % vocab, "int32")
-        sequences = ops.take_along_axis(state["alive"], origin[:, :, None], axis=1)
-        at_step = ops.equal(ops.arange(ops.shape(sequences)[-1]), step)  # (max_len,)
-        sequences = ops.where(at_step, tokens[:, :, None], sequences)
+        alive = ops.take_along_axis(state["alive"], origin[:, :, None], axis=1)
+        at_step = ops.equal(ops.arange(ops.shape(alive)[-1]), step)  # (max_len,)
+        alive = ops.where(at_step, tokens[:, :, None], alive)
         is_eos = ops.equal(tokens, self.config.eos_id)
 
         # Candidates ending in EOS join the pool of finished hypotheses.
@@ -333,17 +442,50 @@ class _BeamSearch:
             [state["finished_scores"], eos_log_probs / self.penalty(step + 1)], axis=1
         )
         pool_log_probs = ops.concatenate([state["finished_log_probs"], eos_log_probs], axis=1)
-        pool = ops.concatenate([state["finished"], sequences], axis=1)
+        pool = ops.concatenate([state["finished"], alive], axis=1)
         finished_scores, keep = ops.top_k(pool_scores, k=beam)
         # The others stay live; a slot whose candidate finished is dead this step.
-        flat_origin = ops.reshape(ops.arange(batch)[:, None] * beam + origin, (-1,))
-        return dict(
+        alive_log_probs = ops.where(is_eos, NEG_INF, top_log_probs)
+        new = dict(
+            state,
             step=step + 1,
-            alive=sequences,
-            alive_log_probs=ops.where(is_eos, NEG_INF, top_log_probs),
-            last=ops.reshape(tokens, (-1,)),
+            alive=alive,
+            alive_log_probs=alive_log_probs,
+            last=tokens,
             finished=ops.take_along_axis(pool, keep[:, :, None], axis=1),
             finished_scores=finished_scores,
             finished_log_probs=ops.take_along_axis(pool_log_probs, keep, axis=1),
-            decoder_state=self.decoder.reorder(decoder_state, flat_origin),
+            done=self._sentence_done(step + 1, limits, alive_log_probs, finished_scores),
+        )
+        origin_rows = ops.arange(sentences)[:, None] * beam + origin  # (sentences, beam)
+        if not self.decoder.shrinks:
+            new["last"] = ops.reshape(tokens, (-1,))
+            new["decoder_state"] = self.decoder.reorder(decoder_state, ops.reshape(origin_rows, (-1,)))
+            return new
+        # Finished sentences leave: one gather per cache tensor reorders the beams of the others.
+        staying = ops.cast(ops.where(ops.logical_not(new["done"]))[0], "int32")  # (kept,)
+        new["decoder_state"] = self.decoder.reorder(
+            decoder_state, ops.reshape(ops.take(origin_rows, staying, axis=0), (-1,))
+        )
+        new = ops.cond(ops.any(new["done"]), lambda: self._leave(new, staying), lambda: new)
+        new["last"] = ops.reshape(new["last"], (-1,))
+        return new
+
+    def _leave(self, state, staying):
+        """`state` without the sentences not in `staying`, whose pools go into the results."""
+        state = dict(
+            state, results=self._write_results(state, ops.cast(ops.where(state["done"])[0], "int32"))
+        )
+        for key in self.SENTENCE_KEYS + ("last",):
+            state[key] = ops.take(state[key], staying, axis=0)
+        state["decoder_state"] = self.decoder.select_sentences(state["decoder_state"], staying)
+        return state
+
+    @staticmethod
+    def _write_results(state, rows):
+        """The results with the finished pools of the loop's sentences `rows` written in."""
+        where = ops.take(state["sentences"], rows, axis=0)[:, None]  # (rows, 1) input indices
+        return tuple(
+            ops.scatter_update(result, where, ops.take(state[key], rows, axis=0))
+            for result, key in zip(state["results"], ("finished", "finished_scores", "finished_log_probs"))
         )

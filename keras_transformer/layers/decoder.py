@@ -33,10 +33,14 @@ class DecoderLayer(LayerArguments, keras.layers.Layer):
         memory_mask: bool `(batch, 1, len_src)`, True = real source token.
         cache: for incremental decoding (inference), this layer's
             `LayerCache` instead of `memory`: `self_key`, `self_value`
-            `(batch, max_len, num_heads, depth)` (past keys/values) and
-            `cross_key`, `cross_value` `(batch, len_src, num_heads, depth)`
-            (the memory projected once, `Transformer.init_cache`).
-        cache_step: with `cache`, the scalar int position of `inputs[:, 0]`.
+            heads-first `(batch, num_heads, len_cache, depth)` (past
+            keys/values) and `cross_key`, `cross_value` `(batch_src,
+            num_heads, len_src, depth)` (the memory projected once per
+            sentence, `Transformer.init_cache`; `batch_src` divides
+            `batch`, whose consecutive rows are a sentence's beams).
+        cache_step: with `cache`, the scalar int position of `inputs[:, 0]`
+            in a fixed-size cache (`len_cache` = the maximum length); without
+            it the cache grows (this call's positions are appended).
         return_weights: also return the attention weights.
         training: enables dropout.
 
@@ -104,15 +108,14 @@ class DecoderLayer(LayerArguments, keras.layers.Layer):
         return_weights=False,
         training=None,
     ):
-        _check_memory_or_cache(self.name, memory, cache, cache_step)
+        _check_memory_or_cache(self.name, memory, cache)
         optional = {}  # what the attention sublayers return besides their outputs
 
         def self_attend(x):
-            cached = (
-                {}
-                if cache is None
-                else {"cache": (cache.self_key, cache.self_value), "cache_step": cache_step}
-            )
+            cached = {}
+            if cache is not None:
+                cached = {"cache": (cache.self_key, cache.self_value)}
+                cached.update({"append_to_cache": True} if cache_step is None else {"cache_step": cache_step})
             outputs, optional["self_weights"], optional["self_cache"] = split_optional(
                 self.self_attention(
                     x,
@@ -188,8 +191,10 @@ class Decoder(TransformerStack):
         memory_mask: bool `(batch, 1, len_src)`, True = real source token.
         cache: for incremental decoding (inference), a `DecodingCache`
             (`Transformer.init_cache`) instead of `memory`; `inputs` are then
-            the positions `cache_step, cache_step + 1, ...` (usually one).
-        cache_step: with `cache`, the scalar int position of `inputs[:, 0]`.
+            the next positions (usually one).
+        cache_step: with a fixed-size cache, the scalar int position of
+            `inputs[:, 0]`; without it the cache grows: `inputs` follow the
+            cached positions and are appended to them.
         return_weights: also return each layer's attention weights.
         training: enables dropout.
 
@@ -235,13 +240,21 @@ class Decoder(TransformerStack):
         return_weights=False,
         training=None,
     ):
-        _check_memory_or_cache(self.name, memory, cache, cache_step)
+        _check_memory_or_cache(self.name, memory, cache)
         length = keras.ops.shape(inputs)[1]
         if cache is None:
             self_attention_mask = combine_masks(causal_mask(length), target_mask)
             x = self.embed_positions(inputs, training)
-        else:  # the new positions see the cached ones and themselves, causally
-            max_len = keras.ops.shape(cache.self_key[0])[1]
+        elif cache_step is None:  # growing cache: the new positions follow the cached ones
+            cache_step = keras.ops.shape(cache.self_key[0])[2]
+            # One new position sees every cached one: no mask to build or apply.
+            self_attention_mask = (
+                None if inputs.shape[1] == 1 else causal_mask(length, cache_step + length, offset=cache_step)
+            )
+            x = self.embed_positions(inputs, training, offset=cache_step)
+            cache_step = None
+        else:  # fixed-size cache: the new positions see the written ones and themselves, causally
+            max_len = keras.ops.shape(cache.self_key[0])[2]
             self_attention_mask = causal_mask(length, max_len, offset=cache_step)
             x = self.embed_positions(inputs, training, offset=cache_step)
         self_weights, cross_weights, layer_caches = [], [], []
@@ -272,7 +285,7 @@ class Decoder(TransformerStack):
         )
 
 
-def _check_memory_or_cache(name, memory, cache, cache_step):
+def _check_memory_or_cache(name, memory, cache):
     if cache is None and memory is None:
         raise ValueError(f"{name}: pass the encoder output (memory), or a cache for incremental decoding.")
     if cache is not None and memory is not None:
@@ -280,5 +293,3 @@ def _check_memory_or_cache(name, memory, cache, cache_step):
             f"{name}: with a cache, cross-attention reads the memory projected in the cache; do not "
             "also pass memory."
         )
-    if cache is not None and cache_step is None:
-        raise ValueError(f"{name}: a cache needs cache_step, the position of the first new target token.")

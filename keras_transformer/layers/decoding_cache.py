@@ -1,11 +1,24 @@
 """The key/value cache of incremental decoding (§3.2.3 at inference), as named tensors.
 
-Shape legend: batch (sentences x beams), max_len (decoding steps), len_src,
-num_heads, depth = d_model / num_heads.
+Shape legend: rows = sentences x beams (the beams of a sentence consecutive),
+sentences, len_cache (self-attention positions), len_src, num_heads,
+depth = d_model / num_heads. Every tensor is heads-first, as the attention
+products read it (no transpose per step).
 
-`Transformer.init_cache` makes one; `Transformer.decode_step` returns it with
-the step's keys and values written; beam search `reorder`s it by beam origin;
-export flattens it (`flat` / `from_flat`) into graph inputs and outputs.
+Two policies for the self-attention half, behind the same decoding step
+(`Transformer.decode_step`):
+- **growing** (`init_cache(memory)`): it starts with 0 positions and every
+  step appends one (`len_cache` = positions decoded so far), so a step reads
+  only the filled positions. Its shape changes every step: eager, `tf.function`
+  (a `tf.while_loop` with relaxed shape invariants), exported graphs.
+- **fixed** (`init_cache(memory, max_length)`): `max_length` preallocated
+  positions, one written per step and the rest masked. Static shapes: XLA, JAX.
+
+The cross-attention half is the memory projected once per sentence (not per
+beam). `Transformer.init_cache` makes a cache; `Transformer.decode_step`
+returns it with the step's keys and values added; beam search `reorder`s the
+rows by beam origin and `select_sentences` drops finished sentences; export
+flattens it (`flat` / `from_flat`) into graph inputs and outputs.
 """
 
 from typing import NamedTuple
@@ -14,9 +27,9 @@ from keras import ops
 
 
 class LayerCache(NamedTuple):
-    """One decoder layer's cache: self-attention `(batch, max_len, num_heads, depth)`
-    (positions decoded so far; the rest zeros) and cross-attention `(batch, len_src,
-    num_heads, depth)` (the memory projected once)."""
+    """One decoder layer's cache: self-attention `(rows, num_heads, len_cache, depth)`
+    (positions decoded so far; a fixed-size cache has zeros after them) and
+    cross-attention `(sentences, num_heads, len_src, depth)` (the memory projected once)."""
 
     self_key: object
     self_value: object
@@ -54,18 +67,21 @@ class DecodingCache(NamedTuple):
         return self._replace(self_key=tuple(keys), self_value=tuple(values))
 
     def reorder(self, indices):
-        """The self-attention caches gathered along the batch by `indices` `(batch,)` (beam
-        origins); the cross-attention ones are the same for every beam of a sentence."""
+        """The self-attention caches gathered by row: `indices` `(new_rows,)` are the rows the
+        new beams extend (one gather per tensor; rows left out are dropped). The
+        cross-attention ones are per sentence and stay."""
         return self.with_self_attention(
             [ops.take(t, indices, axis=0) for t in self.self_key],
             [ops.take(t, indices, axis=0) for t in self.self_value],
         )
 
-    def repeat(self, times):
-        """Each sentence's cache `times` times in a row: `(batch, ...)` -> `(batch * times, ...)`."""
-        if times == 1:
-            return self
-        return DecodingCache(*(tuple(ops.repeat(t, times, axis=0) for t in tensors) for tensors in self))
+    def select_sentences(self, indices):
+        """The cross-attention caches of the sentences `indices` `(new_sentences,)` only
+        (finished sentences leave the batch; the self-attention rows go with `reorder`)."""
+        return self._replace(
+            cross_key=tuple(ops.take(t, indices, axis=0) for t in self.cross_key),
+            cross_value=tuple(ops.take(t, indices, axis=0) for t in self.cross_value),
+        )
 
     def flat(self):
         """The tensors in export order: all `self_key`s, then `self_value`s, `cross_key`s, `cross_value`s."""

@@ -26,7 +26,7 @@ from keras_transformer.utils.checks import check_rate, register
 _INT32_MAX = 2**31 - 1
 
 
-def _in_xla_computation():
+def in_xla_computation():
     """True while TensorFlow traces a `jit_compile=True` function (XLA)."""
     try:
         import tensorflow as tf
@@ -55,7 +55,7 @@ def dropout(inputs, rate, seed_generator):
     import tensorflow as tf
 
     seed = ops.cast(ops.mod(seed_generator.next(), _INT32_MAX - 1), "int32")  # stateless ops want int32
-    algorithm = "threefry" if _in_xla_computation() else "philox"
+    algorithm = "threefry" if in_xla_computation() else "philox"
     uniform = tf.random.stateless_uniform(ops.shape(inputs), seed=seed, alg=algorithm)
     scaled = inputs * ops.cast(1.0 / (1.0 - rate), inputs.dtype)
     return ops.where(uniform >= rate, scaled, ops.zeros_like(scaled))

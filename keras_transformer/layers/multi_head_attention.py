@@ -55,15 +55,25 @@ class MultiHeadAttention(keras.layers.Layer):
         key: `(batch, len_k, d_model)`; defaults to `value`.
         attention_mask: bool `(batch, len_q, len_k)` or broadcastable,
             True = may attend (see `keras_transformer.layers.masks`).
-        cache: projected `(keys, values)`, each `(batch, len_k, num_heads,
-            depth)`, for incremental decoding (§3.2.3 at inference). Without
-            `cache_step` the heads attend over it as it is (cross-attention
-            over the memory projected once; `value` and `key` are not
-            passed). With `cache_step` the projections of `key`/`value`
-            (`len_new` positions) are first written into it from that
-            position (self-attention over a fixed-size cache; the mask must
-            hide the positions not written yet).
+        cache: projected `(keys, values)`, each heads-first `(batch_k,
+            num_heads, len_k, depth)`, for incremental decoding (§3.2.3 at
+            inference). Three uses:
+            - read-only (neither `cache_step` nor `append_to_cache`): the
+              heads attend over it as it is (cross-attention over the memory
+              projected once; `value` and `key` are not passed). `batch_k`
+              may divide `batch`: the `batch // batch_k` consecutive query
+              rows of each cache row (the beams of a sentence) are folded
+              into its query axis, so the memory is read once per sentence;
+              the mask is then `(batch_k, 1, len_k)`.
+            - `cache_step` (fixed-size cache): this call's keys and values
+              (`len_new` positions) are written into it from that position,
+              then the heads attend over the whole cache; the mask must hide
+              the positions not written yet. Static shapes: XLA, JAX.
+            - `append_to_cache=True` (growing cache): they are appended on
+              the position axis, and the heads attend over the `len_k +
+              len_new` positions. Each step touches the filled positions only.
         cache_step: scalar int, where this call's keys and values go.
+        append_to_cache: append this call's keys and values to `cache`.
         return_weights: also return the attention weights.
         training: enables attention dropout.
 
@@ -154,10 +164,20 @@ class MultiHeadAttention(keras.layers.Layer):
         attention_mask=None,
         cache=None,
         cache_step=None,
+        append_to_cache=False,
         return_weights=False,
         training=None,
     ):
-        if cache is not None and cache_step is None:  # keys and values projected once (cross-attention)
+        updates_cache = cache_step is not None or append_to_cache
+        if cache_step is not None and append_to_cache:
+            raise ValueError(
+                f"MultiHeadAttention({self.name}): pass cache_step (write into a fixed-size cache) "
+                "or append_to_cache=True (grow the cache), not both."
+            )
+        if updates_cache and cache is None:
+            raise ValueError(f"MultiHeadAttention({self.name}): cache_step/append_to_cache need a cache.")
+        fold = False
+        if cache is not None and not updates_cache:  # keys and values projected once (cross-attention)
             if value is not None or key is not None:
                 raise ValueError(
                     f"MultiHeadAttention({self.name}): with a cache and no cache_step the keys and "
@@ -165,16 +185,24 @@ class MultiHeadAttention(keras.layers.Layer):
                     "the projections of value into the cache instead)."
                 )
             keys, values = self._check_cache(cache)
+            query, fold = self.project_heads(query, "query"), True
+        elif value is None and key is None:  # self-attention: one fused Q/K/V product
+            query, keys, values = self.project_self_attention(query)
         else:
             value = query if value is None else value
-            key = value if key is None else key
-            keys, values = self.project_heads(key, "key"), self.project_heads(value, "value")
-            if cache is not None:  # written at cache_step; the heads attend over the whole cache
-                key_cache, value_cache = self._check_cache(cache)
-                keys = write_at(key_cache, ops.cast(keys, key_cache.dtype), cache_step)
-                values = write_at(value_cache, ops.cast(values, value_cache.dtype), cache_step)
+            query = self.project_heads(query, "query")
+            keys, values = self.project_key_value(value, key)
+        if updates_cache:
+            key_cache, value_cache = self._check_cache(cache)
+            keys, values = (ops.cast(t, key_cache.dtype) for t in (keys, values))
+            if append_to_cache:  # growing cache: one more position per step
+                keys = ops.concatenate([key_cache, keys], axis=2)
+                values = ops.concatenate([value_cache, values], axis=2)
+            else:  # fixed-size cache
+                keys = write_at(key_cache, keys, cache_step, axis=2)
+                values = write_at(value_cache, values, cache_step, axis=2)
         outputs, weights = self.attend_heads(
-            self.project_heads(query, "query"), keys, values, attention_mask, training, return_weights
+            query, keys, values, attention_mask, training, return_weights, fold_queries=fold
         )
         return with_optional(
             outputs, weights if return_weights else None, None if cache is None else (keys, values)
@@ -184,7 +212,7 @@ class MultiHeadAttention(keras.layers.Layer):
         if not isinstance(cache, (tuple, list)) or len(cache) != 2:
             raise ValueError(
                 f"MultiHeadAttention({self.name}) expects cache=(keys, values), each "
-                f"(batch, len_k, num_heads={self.num_heads}, depth={self.depth}); got {type(cache).__name__}."
+                f"(batch, num_heads={self.num_heads}, len_k, depth={self.depth}); got {type(cache).__name__}."
             )
         return cache
 
@@ -195,34 +223,76 @@ class MultiHeadAttention(keras.layers.Layer):
         TensorFlow ~2x faster than the equivalent einsum without XLA). Per
         head: `inputs @ W_i` for each head i, stacked.
         """
+        return self._project(inputs, (projection,))[0]
+
+    def project_key_value(self, value, key=None):
+        """Keys and values heads-first `(batch, num_heads, len_k, depth)` from `value` (and `key`,
+        default `value`) `(batch, len_k, d_model)`; one fused K/V product when `key` is `value`."""
+        if key is None or key is value:
+            keys, values = self._project(value, ("key", "value"))
+        else:
+            keys, values = self.project_heads(key, "key"), self.project_heads(value, "value")
+        return _heads_first(keys), _heads_first(values)
+
+    def project_self_attention(self, inputs):
+        """Queries `(batch, len, num_heads, depth)` and heads-first keys and values `(batch,
+        num_heads, len, depth)` of `inputs`, with one fused Q/K/V matrix product (batched mode)."""
+        query, keys, values = self._project(inputs, ("query", "key", "value"))
+        return query, _heads_first(keys), _heads_first(values)
+
+    def _project(self, inputs, projections):
+        """`inputs` `(batch, len, d_model)` through each of `projections`, each `(batch, len,
+        num_heads, depth)`; batched mode computes them with one matrix product of the kernels
+        side by side (the same sums per output column)."""
         if not self.built:  # called before the layer (e.g. to fill a cache)
             self.build(inputs.shape)
-        kernel, bias = self._weight(f"{projection}_kernel"), self._weight(f"{projection}_bias")
+        kernels = [self._weight(f"{name}_kernel") for name in projections]
+        biases = [self._weight(f"{name}_bias") for name in projections]
         if self.mode == "per_head":
-            heads = [
-                ops.matmul(inputs, kernel[:, i, :]) + (0 if bias is None else bias[i])
-                for i in range(self.num_heads)
-            ]  # each (batch, len, depth)
-            return ops.stack(heads, axis=2)
-        outputs = ops.matmul(inputs, ops.reshape(kernel, (self.d_model, -1)))
-        if bias is not None:
-            outputs = outputs + ops.reshape(bias, (-1,))
-        return ops.reshape(outputs, (ops.shape(inputs)[0], _length(inputs, 1), self.num_heads, self.depth))
+            return [
+                ops.stack(
+                    [
+                        ops.matmul(inputs, kernel[:, i, :]) + (0 if bias is None else bias[i])
+                        for i in range(self.num_heads)
+                    ],
+                    axis=2,
+                )  # each head (batch, len, depth)
+                for kernel, bias in zip(kernels, biases)
+            ]
+        outputs = ops.matmul(inputs, _side_by_side([ops.reshape(k, (self.d_model, -1)) for k in kernels]))
+        if self.use_bias:  # (batch, len, len(projections) * d_model)
+            outputs = outputs + _side_by_side([ops.reshape(b, (-1,)) for b in biases])
+        parts = ops.split(outputs, len(projections), axis=-1) if len(projections) > 1 else [outputs]
+        shape = (ops.shape(inputs)[0], _length(inputs, 1), self.num_heads, self.depth)
+        return [ops.reshape(part, shape) for part in parts]
 
-    def attend_heads(self, query, key, value, attention_mask=None, training=None, return_weights=False):
-        """Eq. (1) per head over projected heads `(batch, len, num_heads, depth)`, then W^O.
+    def attend_heads(
+        self, query, key, value, attention_mask=None, training=None, return_weights=False, fold_queries=False
+    ):
+        """Eq. (1) per head, then W^O.
+
+        Args:
+            query: projected `(batch, len_q, num_heads, depth)`.
+            key, value: projected, heads-first `(batch_k, num_heads, len_k,
+                depth)` (from `project_key_value` or a cache).
+            attention_mask: bool, broadcastable to `(batch, len_q, len_k)`.
+            fold_queries: `batch_k` divides `batch`; the `batch // batch_k`
+                consecutive query rows of each key row are attended as one
+                longer query (the mask is then `(batch_k, 1, len_k)`).
 
         Returns `((batch, len_q, d_model), weights or None)`; weights
-        `(batch, num_heads, len_q, len_k)` float32. `call` projects and calls
-        this; projected keys and values may also come from a cache.
+        `(batch, num_heads, len_q, len_k)` float32.
         """
+        batch, len_q = ops.shape(query)[0], _length(query, 1)
+        if fold_queries:  # (batch, len_q, ...) -> (batch_k, fold * len_q, ...)
+            query = ops.reshape(query, (ops.shape(key)[0], -1, self.num_heads, self.depth))
         if self.mode == "per_head":
             heads, head_weights = [], []
             for i in range(self.num_heads):
                 head_i, weights_i = scaled_dot_product_attention(
                     query[:, :, i],
-                    key[:, :, i],
-                    value[:, :, i],
+                    key[:, i],
+                    value[:, i],
                     mask=attention_mask,
                     dropout=self.attention_dropout,
                     training=training,
@@ -233,10 +303,9 @@ class MultiHeadAttention(keras.layers.Layer):
             context = ops.concatenate(heads, axis=-1)  # Concat(head_1, ..., head_h)
             weights = ops.stack(head_weights, axis=1) if return_weights else None
         else:
-            query, key, value = (ops.transpose(t, (0, 2, 1, 3)) for t in (query, key, value))
             mask = None if attention_mask is None else ops.expand_dims(attention_mask, axis=1)
             context, weights = scaled_dot_product_attention(
-                query,
+                _heads_first(query),
                 key,
                 value,
                 mask=mask,
@@ -244,13 +313,18 @@ class MultiHeadAttention(keras.layers.Layer):
                 training=training,
                 return_attention_weights=True,
             )  # (batch, num_heads, len_q, depth)
-            context = ops.reshape(
-                ops.transpose(context, (0, 2, 1, 3)),
-                (ops.shape(context)[0], _length(context, 2), self.d_model),
-            )
+            context = ops.transpose(context, (0, 2, 1, 3))
+        context = ops.reshape(context, (batch, len_q, self.d_model))
         outputs = ops.matmul(context, ops.reshape(self._weight("output_kernel"), (-1, self.d_model)))
         if self.output_bias is not None:
             outputs = outputs + self._weight("output_bias")
+        if (
+            return_weights and fold_queries
+        ):  # (batch_k, heads, fold * len_q, len_k) -> (batch, heads, len_q, len_k)
+            weights = ops.reshape(
+                weights, (ops.shape(weights)[0], self.num_heads, -1, len_q, ops.shape(key)[2])
+            )
+            weights = ops.reshape(ops.transpose(weights, (0, 2, 1, 3, 4)), (batch, self.num_heads, len_q, -1))
         return outputs, (weights if return_weights else None)
 
     def _weight(self, name):
@@ -271,6 +345,16 @@ class MultiHeadAttention(keras.layers.Layer):
             bias_initializer=keras.initializers.serialize(self.bias_initializer),
         )
         return config
+
+
+def _side_by_side(tensors):
+    """Concatenated on the last axis (one tensor as it is)."""
+    return tensors[0] if len(tensors) == 1 else ops.concatenate(tensors, axis=-1)
+
+
+def _heads_first(tensor):
+    """`(batch, len, num_heads, depth)` -> `(batch, num_heads, len, depth)`."""
+    return ops.transpose(tensor, (0, 2, 1, 3))
 
 
 def _length(tensor, axis):

@@ -13,13 +13,14 @@ with it on the 2-core CPU we develop on.
 from keras import ops
 
 
-def write_at(tensor, updates, start):
-    """`tensor` with `updates` written along axis 1 at positions `start, start + 1, ...`.
+def write_at(tensor, updates, start, axis=1):
+    """`tensor` with `updates` written along `axis` at positions `start, start + 1, ...`.
 
     Args:
-        tensor: `(batch, length, ...)`.
-        updates: `(batch, len_new, ...)`, the same trailing shape, same dtype.
+        tensor: `(batch, length, ...)` (with `axis=1`; any axis >= 1).
+        updates: `(batch, len_new, ...)`, the same other dimensions, same dtype.
         start: scalar int; `start + len_new <= length`.
+        axis: the position axis (2 for a heads-first cache).
 
     Returns:
         `(batch, length, ...)`: `tensor[:, start + i] = updates[:, i]`.
@@ -29,13 +30,13 @@ def write_at(tensor, updates, start):
     >>> ops.convert_to_numpy(write_at(np.zeros((1, 4)), np.array([[7.0, 8.0]]), 1))
     array([[0., 7., 8., 0.]])
     """
-    offset = ops.arange(ops.shape(tensor)[1]) - start  # (length,): index into updates
-    len_new = updates.shape[1]
+    offset = ops.arange(ops.shape(tensor)[axis]) - start  # (length,): index into updates
+    len_new = updates.shape[axis]
     if len_new == 1:  # one position (every decoding step): a broadcasting `where`
         inside = ops.equal(offset, 0)
     else:
-        len_new = ops.shape(updates)[1]
+        len_new = ops.shape(updates)[axis]
         inside = ops.logical_and(ops.greater_equal(offset, 0), ops.less(offset, len_new))
-        updates = ops.take(updates, ops.clip(offset, 0, len_new - 1), axis=1)  # (batch, length, ...)
-    inside = ops.reshape(inside, (1, -1) + (1,) * (len(tensor.shape) - 2))
+        updates = ops.take(updates, ops.clip(offset, 0, len_new - 1), axis=axis)  # (batch, ..., length, ...)
+    inside = ops.reshape(inside, (1,) * axis + (-1,) + (1,) * (len(tensor.shape) - axis - 1))
     return ops.where(inside, updates, tensor)

@@ -147,39 +147,51 @@ class Transformer(keras_compat.DistributedFitFixes, keras.Model):
             training=training,
         )
 
-    def init_cache(self, memory, max_length):
-        """The incremental-decoding cache for `memory` `(batch, len_src, d_model)`.
+    def init_cache(self, memory, max_length=None, beam_size=1):
+        """The incremental-decoding cache for `memory` `(sentences, len_src, d_model)`.
 
-        Cross-attention keys/values are projected once here; self-attention
-        caches are preallocated zeros of `max_length` positions. A
-        `DecodingCache` of per-decoder-layer tuples: `self_key`, `self_value`
-        `(batch, max_length, num_heads, depth)`, `cross_key`, `cross_value`
-        `(batch, len_src, num_heads, depth)`.
+        Cross-attention keys/values are projected once per sentence (one fused
+        K/V product per layer). The self-attention caches have `sentences *
+        beam_size` rows (a sentence's beams in a row) and, with `max_length`,
+        that many preallocated positions (fixed-size policy: XLA, JAX); without
+        it, 0 positions and they grow by one per step (`DecodingCache` says
+        when to use which). A `DecodingCache` of per-decoder-layer tuples:
+        `self_key`, `self_value` `(sentences * beam_size, num_heads,
+        max_length or 0, depth)`, `cross_key`, `cross_value` `(sentences,
+        num_heads, len_src, depth)`.
         """
-        batch = keras.ops.shape(memory)[0]
+        rows = keras.ops.shape(memory)[0] * beam_size
         config = self.config
-        shape = (batch, max_length, config.num_heads, config.d_model // config.num_heads)
+        shape = (
+            rows,
+            config.num_heads,
+            0 if max_length is None else max_length,
+            config.d_model // config.num_heads,
+        )
         layers = self.decoder.stack_layers
         memory = keras.ops.cast(memory, self.compute_dtype)
+        cross = [layer.cross_attention.project_key_value(memory) for layer in layers]
         return DecodingCache(
             self_key=tuple(keras.ops.zeros(shape, self.compute_dtype) for _ in layers),
             self_value=tuple(keras.ops.zeros(shape, self.compute_dtype) for _ in layers),
-            cross_key=tuple(layer.cross_attention.project_heads(memory, "key") for layer in layers),
-            cross_value=tuple(layer.cross_attention.project_heads(memory, "value") for layer in layers),
+            cross_key=tuple(keys for keys, _ in cross),
+            cross_value=tuple(values for _, values in cross),
         )
 
     def decode_step(self, token_ids, step, cache, memory_mask):
         """One incremental decoding step (inference).
 
         Args:
-            token_ids: int `(batch,)`, the target token at position `step`
-                (BOS at step 0).
-            step: scalar int.
+            token_ids: int `(rows,)`, the target token at position `step`
+                (BOS at step 0); `rows` is a multiple of the cache's sentences
+                (the beams of a sentence in a row).
+            step: scalar int for a fixed-size cache; None for a growing one
+                (the position is the number of cached positions).
             cache: from `init_cache` (or the previous step).
-            memory_mask: `padding_mask(source_ids)`, bool `(batch, 1, len_src)`.
+            memory_mask: `padding_mask(source_ids)`, bool `(sentences, 1, len_src)`.
 
         Returns:
-            `(logits (batch, vocab) float32 for position step + 1, cache)`.
+            `(logits (rows, vocab) float32 for the next position, cache)`.
         """
         embedded = self.target_embedding(keras.ops.expand_dims(token_ids, axis=1))
         hidden, cache = self.decoder(embedded, memory_mask=memory_mask, cache=cache, cache_step=step)
