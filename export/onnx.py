@@ -46,7 +46,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, compose, helper
 
-from keras_transformer_export.graph_rewrites import simplify
+from keras_transformer_export.graph_rewrites import all_graphs, simplify
 from keras_transformer_export.graphs import TranslationGraphs
 from keras_transformer_export.layout import atomic_directory
 
@@ -141,6 +141,7 @@ def convert(graphs, name, extra_opset=None):
         extra_opset=extra_opset,
     )
     _name_dynamic_axes(model)
+    _scalar_loop_counters(model)
     model.doc_string = f"keras-transformer {name}"
     return model
 
@@ -170,6 +171,23 @@ def _name_dynamic_axes(model):
         for axis, dim in enumerate(value.type.tensor_type.shape.dim):
             if dim.dim_param.startswith("unk__") or (not dim.dim_param and not dim.HasField("dim_value")):
                 dim.dim_param = "batch" if axis == 0 else f"{value.name}_{axis}"
+
+
+def _scalar_loop_counters(model):
+    """Declares each `Loop` body's iteration number and condition scalar where tf2onnx left no shape.
+
+    A `tf.while_loop` with shape invariants (the growing decoding cache) is
+    converted with an unshaped loop counter, which ONNX Runtime refuses ("Loop
+    subgraph input 0 has unknown shape"); ONNX defines both as scalars.
+    """
+    for graph in all_graphs(model.graph):
+        for node in graph.node:
+            if node.op_type != "Loop":
+                continue
+            body = next(a.g for a in node.attribute if a.name == "body")
+            for value in body.input[:2]:
+                if not value.type.tensor_type.HasField("shape"):
+                    value.type.tensor_type.shape.SetInParent()  # rank 0
 
 
 def _rename(graph, old, new):

@@ -334,7 +334,7 @@ def test_onnx_graphs_are_valid_with_dynamic_axes(exported):
 def test_onnx_runtime_matches_keras(exported, trained_run, sentences, cli_translations):
     from keras_transformer.decoding.translator import Translator
     from keras_transformer.training.run_directory import RunDirectory, load_model
-    from keras_transformer_export.cache_names import cross_names, past_names
+    from keras_transformer_export.cache_names import cross_names, past_names, present_names
     from keras_transformer_export.onnx_runtime import (
         FullGraphSearch,
         OnnxTranslator,
@@ -359,26 +359,33 @@ def test_onnx_runtime_matches_keras(exported, trained_run, sentences, cli_transl
     # Text in/out through sentencepiece (not tf-text) tokenization: the same strings as the CLI.
     assert OnnxTranslator(onnx_dir, "full").translate(sentences)[0] == cli_translations
 
-    # decoder_step.onnx's logits at the first step against Keras's decode_step.
+    # decoder_step.onnx against Keras's decode_step for two steps: per-sentence cross caches
+    # read by 2 beams each, a growing past (0 positions, then 1).
     encoded = make_session(os.path.join(onnx_dir, "encoder.onnx"))
     names = [o.name for o in encoded.get_outputs()]
     encoded = dict(zip(names, encoded.run(None, {"source_ids": source_ids[:4]})))
     layers, config = len(model.decoder.stack_layers), model.config
-    shape = (4, 10, config.num_heads, config.d_model // config.num_heads)
+    shape = (8, config.num_heads, 0, config.d_model // config.num_heads)
     feed = {
-        "token_ids": np.full(4, config.bos_id, np.int32),
-        "step": np.array(0, np.int32),
+        "token_ids": np.full(8, config.bos_id, np.int32),
         "memory_mask": encoded["memory_mask"],
         **{name: np.zeros(shape, np.float32) for name in past_names(layers)},
         **{name: encoded[name] for name in cross_names(layers)},
     }
     step = make_session(os.path.join(onnx_dir, "decoder_step.onnx"))
-    onnx_logits = step.run(["logits"], feed)[0]
     from keras_transformer.layers.masks import padding_mask
 
-    cache = model.init_cache(model.encode(source_ids[:4]), 10)
-    keras_logits, _ = model.decode_step(feed["token_ids"], 0, cache, padding_mask(source_ids[:4], 0))
-    np.testing.assert_allclose(onnx_logits, np.asarray(keras_logits), atol=1e-4)
+    cache = model.init_cache(model.encode(source_ids[:4]), beam_size=2)
+    for token in (config.bos_id, 7):
+        feed["token_ids"] = np.full(8, token, np.int32)
+        outputs = dict(zip([o.name for o in step.get_outputs()], step.run(None, feed)))
+        keras_logits, cache = model.decode_step(
+            feed["token_ids"], None, cache, padding_mask(source_ids[:4], 0)
+        )
+        np.testing.assert_allclose(outputs["logits"], np.asarray(keras_logits), atol=1e-4)
+        for past, present in zip(past_names(layers), present_names(layers)):
+            feed[past] = outputs[present]
+    assert feed[past_names(layers)[0]].shape[2] == 2
 
 
 def test_onnx_text_graph_matches_translate_cli(exported, sentences, cli_translations):
