@@ -41,6 +41,8 @@ class Translator:
         beam_size, length_penalty, max_extra_length: of `beam_search` (4, 0.6, 50).
         batch_size: sentences per beam-search call.
         jit_compile: compile the search with XLA.
+        cache_policy: of `beam_search`; `"auto"` grows the cache (finished
+            sentences leave the batch) unless `jit_compile`.
     """
 
     def __init__(
@@ -52,6 +54,7 @@ class Translator:
         max_extra_length=50,
         batch_size=64,
         jit_compile=False,
+        cache_policy="auto",
     ):
         self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
         self.max_source_length = model.config.max_length
@@ -63,6 +66,7 @@ class Translator:
                 beam_size=beam_size,
                 length_penalty=length_penalty,
                 max_extra_length=max_extra_length,
+                cache_policy=cache_policy,
             )
             return result.ids, result.scores
 
