@@ -137,9 +137,10 @@ def int8_export(trained_run, converted, tmp_path_factory):
 def test_int8_export_quantizes_the_loop_and_records_the_bleu_check(int8_export, converted):
     translate = onnx.load(str(int8_export / "translate.onnx"))
     integer, floating = count_quantized(translate)
-    # tiny: 2+2 layers -> encoder 2x(4 attention + 2 feed-forward) + cross K/V 2x2, and in the
-    # Loop 2x(4 + 2 + 2) + the output projection; the float MatMuls are the attention products.
-    assert integer == 12 + 4 + 17 and floating == 2 * 2 + 2 * 4, (integer, floating)
+    # tiny: 2+2 layers -> encoder 2x(fused Q/K/V + output + 2 feed-forward) + fused cross K/V 2x1,
+    # and in the Loop 2x(fused Q/K/V + output + cross Q + cross output + 2 feed-forward) + the
+    # output projection; the float MatMuls are the attention products.
+    assert integer == 8 + 2 + 13 and floating == 2 * 2 + 2 * 4, (integer, floating)
     metadata = json.loads((int8_export / "export.json").read_text())
     entry = metadata["quantization"]
     assert entry["type"] == "int8" and entry["translate_matmuls"] == {"int8": integer, "float32": floating}

@@ -39,7 +39,7 @@ from keras import ops
 
 from keras_transformer.layers.dropout import in_xla_computation
 from keras_transformer.layers.masks import padding_mask
-from keras_transformer.layers.portable_ops import write_at
+from keras_transformer.layers.portable_ops import gather_rows, write_at
 from keras_transformer.utils.checks import check_positive_int
 
 NEG_INF = -1.0e9  # "impossible" log-probability; finite, so 0 * NEG_INF stays 0
@@ -85,12 +85,24 @@ def _while_loop(cond, body, loop_vars, shapes_change):
         import tensorflow as tf
 
         loop_vars = tf.nest.map_structure(tf.convert_to_tensor, tuple(loop_vars))
-        invariants = tf.nest.map_structure(lambda t: tf.TensorShape([None] * t.shape.rank), loop_vars)
+        invariants = tf.nest.map_structure(_changing_shape, loop_vars)
         return tf.while_loop(cond, lambda *v: tuple(body(*v)), loop_vars, shape_invariants=invariants)
     loop_vars = tuple(loop_vars)
     while bool(ops.convert_to_numpy(cond(*loop_vars))):
         loop_vars = tuple(body(*loop_vars))
     return loop_vars
+
+
+def _changing_shape(tensor):
+    """The shape invariant of a loop tensor whose shape changes: its first axis (the batch,
+    which shrinks) and, for rank 4, its third (the position axis of a heads-first cache, which
+    grows) are relaxed; the other dimensions stay known, so the step's shape arithmetic folds."""
+    import tensorflow as tf
+
+    dims = tensor.shape.as_list()
+    return tf.TensorShape(
+        [None if axis == 0 or (len(dims) == 4 and axis == 2) else d for axis, d in enumerate(dims)]
+    )
 
 
 def _no_gradients():
@@ -328,7 +340,7 @@ class _CachedDecoder:
     def select_sentences(state, indices):
         """Keeps the sentences `indices` of the per-sentence tensors."""
         cache, memory_mask = state
-        return cache.select_sentences(indices), ops.take(memory_mask, indices, axis=0)
+        return cache.select_sentences(indices), gather_rows(memory_mask, indices)
 
 
 class _PrefixDecoder:
@@ -465,9 +477,11 @@ class _BeamSearch:
         # Finished sentences leave: one gather per cache tensor reorders the beams of the others.
         staying = ops.cast(ops.where(ops.logical_not(new["done"]))[0], "int32")  # (kept,)
         new["decoder_state"] = self.decoder.reorder(
-            decoder_state, ops.reshape(ops.take(origin_rows, staying, axis=0), (-1,))
+            decoder_state, ops.reshape(gather_rows(origin_rows, staying), (-1,))
         )
-        new = ops.cond(ops.any(new["done"]), lambda: self._leave(new, staying), lambda: new)
+        # Unconditionally (a gather by all rows when none leaves): a `cond` here would make
+        # tf2onnx inline the loop body without its static shapes, and its rewrites then miss.
+        new = self._leave(new, staying)
         new["last"] = ops.reshape(new["last"], (-1,))
         return new
 
@@ -477,15 +491,15 @@ class _BeamSearch:
             state, results=self._write_results(state, ops.cast(ops.where(state["done"])[0], "int32"))
         )
         for key in self.SENTENCE_KEYS + ("last",):
-            state[key] = ops.take(state[key], staying, axis=0)
+            state[key] = gather_rows(state[key], staying)
         state["decoder_state"] = self.decoder.select_sentences(state["decoder_state"], staying)
         return state
 
     @staticmethod
     def _write_results(state, rows):
         """The results with the finished pools of the loop's sentences `rows` written in."""
-        where = ops.take(state["sentences"], rows, axis=0)[:, None]  # (rows, 1) input indices
+        where = gather_rows(state["sentences"], rows)[:, None]  # (rows, 1) input indices
         return tuple(
-            ops.scatter_update(result, where, ops.take(state[key], rows, axis=0))
+            ops.scatter_update(result, where, gather_rows(state[key], rows))
             for result, key in zip(state["results"], ("finished", "finished_scores", "finished_log_probs"))
         )

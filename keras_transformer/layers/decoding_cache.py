@@ -23,7 +23,7 @@ flattens it (`flat` / `from_flat`) into graph inputs and outputs.
 
 from typing import NamedTuple
 
-from keras import ops
+from keras_transformer.layers.portable_ops import gather_rows
 
 
 class LayerCache(NamedTuple):
@@ -71,16 +71,16 @@ class DecodingCache(NamedTuple):
         new beams extend (one gather per tensor; rows left out are dropped). The
         cross-attention ones are per sentence and stay."""
         return self.with_self_attention(
-            [ops.take(t, indices, axis=0) for t in self.self_key],
-            [ops.take(t, indices, axis=0) for t in self.self_value],
+            [gather_rows(t, indices) for t in self.self_key],
+            [gather_rows(t, indices) for t in self.self_value],
         )
 
     def select_sentences(self, indices):
         """The cross-attention caches of the sentences `indices` `(new_sentences,)` only
         (finished sentences leave the batch; the self-attention rows go with `reorder`)."""
         return self._replace(
-            cross_key=tuple(ops.take(t, indices, axis=0) for t in self.cross_key),
-            cross_value=tuple(ops.take(t, indices, axis=0) for t in self.cross_value),
+            cross_key=tuple(gather_rows(t, indices) for t in self.cross_key),
+            cross_value=tuple(gather_rows(t, indices) for t in self.cross_value),
         )
 
     def flat(self):

@@ -13,6 +13,7 @@ import math
 import keras
 from keras import ops
 
+from keras_transformer.layers.portable_ops import gather_rows
 from keras_transformer.utils.checks import check_positive_int, register
 
 
@@ -62,7 +63,7 @@ class TokenEmbedding(keras.layers.Layer):
         )
 
     def call(self, ids):
-        outputs = ops.take(self.embeddings, ops.cast(ids, "int32"), axis=0)
+        outputs = gather_rows(self.embeddings, ops.cast(ids, "int32"))
         outputs = ops.cast(outputs, self.compute_dtype)
         if self.scale:
             outputs = outputs * ops.cast(math.sqrt(self.d_model), outputs.dtype)
