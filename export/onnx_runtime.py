@@ -151,7 +151,8 @@ class SplitBeamSearch:
             alive_log_probs = np.where(is_eos, NEG_INF, top_log_probs).astype(np.float32)
             # As decoding._BeamSearch._sentence_done, before the next position.
             done = np.logical_or(
-                finished_scores[:, -1] >= alive_log_probs.max(axis=1) / self.penalty(limits), step + 1 >= limits
+                finished_scores[:, -1] >= alive_log_probs.max(axis=1) / self.penalty(limits),
+                step + 1 >= limits,
             )
             results[0][sentences[done]] = finished[done, 0]
             results[1][sentences[done]] = finished_scores[done, 0]
