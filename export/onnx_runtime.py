@@ -127,9 +127,10 @@ class SplitBeamSearch:
                 zip(output_names, self.decoder.run(None, {"token_ids": last, **per_sentence, **past}))
             )
             log_probs = outputs["log_probs"].reshape(len(sentences), beam, -1)
-            vocab = log_probs.shape[-1]
-            ids = np.arange(vocab)
-            never = np.logical_or(ids == pad, ids == config["bos_id"])  # as decoding._Setup.constrain
+            if step == 0:  # the vocabulary's masks, once
+                vocab = log_probs.shape[-1]
+                ids = np.arange(vocab)
+                never = np.logical_or(ids == pad, ids == config["bos_id"])  # as decoding._Setup.constrain
             is_last = (step >= limits - 1)[:, None, None]
             log_probs = np.where(
                 np.logical_or(never, np.logical_and(is_last, ids != eos)), NEG_INF, log_probs

@@ -182,7 +182,7 @@ def greedy_search(
         finished = ops.logical_or(finished, ops.equal(next_tokens, config.eos_id))
         return step + 1, tokens, next_tokens, log_probs, finished, decoder_state
 
-    _, tokens, _, log_probs, _, _ = _while_loop(cond, body, state, decoder.shapes_change)
+    _, tokens, _, log_probs, _, _ = _while_loop(cond, body, state, decoder.grows)
     return Translations(tokens, log_probs, log_probs)
 
 
@@ -317,10 +317,10 @@ class _CachedDecoder:
 
     def __init__(self, model, setup, beam_size, policy):
         self.model, self.setup, self.beam_size, self.policy = model, setup, beam_size, policy
-        self.shapes_change = self.shrinks = policy == "growing"
+        self.grows = policy == "growing"  # shapes change; finished sentences leave the batch
 
     def initial_state(self):
-        max_length = None if self.shrinks else self.setup.max_len
+        max_length = None if self.grows else self.setup.max_len
         return self.model.init_cache(self.setup.memory, max_length, self.beam_size), self.setup.memory_mask
 
     def step(self, last_tokens, prefix, step, state):
@@ -346,7 +346,7 @@ class _CachedDecoder:
 class _PrefixDecoder:
     """No cache: re-runs the decoder over BOS + the whole prefix every step."""
 
-    shapes_change = shrinks = False
+    grows = False
 
     def __init__(self, model, setup, beam_size):
         self.model, self.setup, self.beam_size = model, setup, beam_size
@@ -371,7 +371,7 @@ class _PrefixDecoder:
 
 class _BeamSearch:
     """The beam-search loop; state tensors are `(sentences, beam, ...)` for the sentences still
-    in the loop (all of them unless the decoder `shrinks`)."""
+    in the loop (all of them unless the decoder `grows`)."""
 
     # Per-sentence state, dropped together when sentences leave the batch.
     SENTENCE_KEYS = (
@@ -405,12 +405,12 @@ class _BeamSearch:
             done=ops.zeros((batch,), "bool"),
             decoder_state=self.decoder.initial_state(),
         )
-        if self.decoder.shrinks:  # the finished pools of the sentences that left, in input order
+        if self.decoder.grows:  # the finished pools of the sentences that left, in input order
             state["results"] = (sequences, no_scores, no_scores)
         final = _while_loop(
-            lambda s: self._not_done(s), lambda s: (self._step(s),), (state,), self.decoder.shapes_change
+            lambda s: self._not_done(s), lambda s: (self._step(s),), (state,), self.decoder.grows
         )[0]
-        if not self.decoder.shrinks:
+        if not self.decoder.grows:
             return final["finished"], final["finished_scores"], final["finished_log_probs"]
         # The sentences still in the loop (stopped by max_len) join the results.
         return self._write_results(final, ops.arange(ops.shape(final["sentences"])[0], dtype="int32"))
@@ -470,7 +470,7 @@ class _BeamSearch:
             done=self._sentence_done(step + 1, limits, alive_log_probs, finished_scores),
         )
         origin_rows = ops.arange(sentences)[:, None] * beam + origin  # (sentences, beam)
-        if not self.decoder.shrinks:
+        if not self.decoder.grows:
             new["last"] = ops.reshape(tokens, (-1,))
             new["decoder_state"] = self.decoder.reorder(decoder_state, ops.reshape(origin_rows, (-1,)))
             return new
