@@ -108,7 +108,8 @@ def _int8(graphs, models, temporary, gate):
     entry = {
         "type": "int8",
         "method": "onnxruntime.quantization.quantize_dynamic: MatMul weights "
-        "int8 per tensor, activations uint8 per call",
+        "int8 per tensor, activations uint8 per call; the tied embedding int8 "
+        "with a scale per vocabulary entry (lookups and output projection)",
         "translate_matmuls": {"int8": integer, "float32": floating},
     }
     if gate is not None:

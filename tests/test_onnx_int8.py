@@ -19,10 +19,16 @@ from keras_transformer_export.graph_rewrites import (
     count_nodes,
     fuse_layer_norms,
     hoist_loop_invariants,
+    read_transposed_weights,
     select_with_where,
 )
 from keras_transformer_export.onnx_runtime import OnnxTranslator
-from keras_transformer_export.quantization import BleuGate, QuantizationRefused, count_quantized
+from keras_transformer_export.quantization import (
+    BleuGate,
+    QuantizationRefused,
+    count_quantized,
+    quantize_embeddings,
+)
 
 
 def _loop_model():
@@ -83,6 +89,81 @@ def test_hoisting_reads_weights_from_outside_the_loop_and_keeps_the_results():
     matmul = body.node[0]
     assert matmul.input[1] in {init.name for init in hoisted.graph.initializer}
     np.testing.assert_array_equal(_run(hoisted, x=x, n=n), before)
+
+
+def _tied_embedding_model(hidden_rank=2):
+    """Embeddings `Gather(E, ids)` and logits `hidden @ Eᵀ`, Eᵀ a second constant (as hoisting leaves it)."""
+    table = np.random.default_rng(0).normal(size=(6, 4)).astype(np.float32)
+    hidden_shape = ["rows", 4] if hidden_rank == 2 else ["batch", "length", 4]
+    graph = helper.make_graph(
+        [
+            helper.make_node("Gather", ["E", "ids"], ["embedded"]),
+            helper.make_node("MatMul", ["hidden", "E_transposed"], ["logits"], name="projection"),
+        ],
+        "tied",
+        [
+            helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", "length"]),
+            helper.make_tensor_value_info("hidden", TensorProto.FLOAT, hidden_shape),
+        ],
+        [
+            helper.make_tensor_value_info("embedded", TensorProto.FLOAT, ["batch", "length", 4]),
+            helper.make_tensor_value_info("logits", TensorProto.FLOAT, [*hidden_shape[:-1], 6]),
+        ],
+        initializer=[
+            numpy_helper.from_array(table, "E"),
+            numpy_helper.from_array(table.T.copy(), "E_transposed"),
+        ],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), table
+
+
+def _run_all(model, **feeds):
+    session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)
+
+
+def test_tied_projection_reads_the_one_stored_embedding():
+    model, table = _tied_embedding_model()
+    ids = np.array([[0, 5, 2], [3, 3, 1]], np.int64)
+    hidden = np.random.default_rng(1).normal(size=(3, 4)).astype(np.float32)
+    before = _run_all(model, ids=ids, hidden=hidden)
+    read_transposed_weights(model)
+    onnx.checker.check_model(model, full_check=True)
+    assert [init.name for init in model.graph.initializer] == ["E"]
+    projection = model.graph.node[1]
+    assert projection.op_type == "Gemm" and list(projection.input) == ["hidden", "E"]
+    assert helper.get_attribute_value(projection.attribute[0]) == 1  # transB
+    after = _run_all(model, ids=ids, hidden=hidden)
+    np.testing.assert_array_equal(after[0], before[0])
+    np.testing.assert_allclose(after[1], before[1], rtol=1e-6, atol=1e-6)
+
+
+def test_tied_projection_of_a_batch_of_sequences_keeps_its_matmul():
+    model, _ = _tied_embedding_model(hidden_rank=3)  # Gemm multiplies matrices only
+    read_transposed_weights(model)
+    assert [node.op_type for node in model.graph.node] == ["Gather", "MatMul"]
+    assert len(model.graph.initializer) == 2
+
+
+def test_int8_embedding_is_stored_once_with_a_scale_per_row():
+    model, table = _tied_embedding_model()
+    read_transposed_weights(model)
+    ids = np.array([[0, 5, 2], [3, 3, 1]], np.int64)
+    hidden = np.random.default_rng(1).normal(size=(3, 4)).astype(np.float32)
+    quantize_embeddings(model)
+    onnx.checker.check_model(model, full_check=True)
+    stored = {init.name: numpy_helper.to_array(init) for init in model.graph.initializer}
+    assert set(stored) == {"E/int8_transposed", "E/row_scales"}
+    assert stored["E/int8_transposed"].dtype == np.int8 and stored["E/int8_transposed"].shape == (4, 6)
+    scales = np.abs(table).max(axis=1) / 127
+    np.testing.assert_allclose(stored["E/row_scales"], scales, rtol=1e-6)
+    embedded, logits = _run_all(model, ids=ids, hidden=hidden)
+    # Each looked-up entry is its row to within half that row's quantization step.
+    assert embedded.shape == (2, 3, 4)
+    assert np.all(np.abs(embedded - table[ids]) <= scales[ids][..., None] / 2 + 1e-6)
+    # The projection multiplies uint8-quantized activations by the int8 rows: close to float32.
+    assert logits.shape == (3, 6)
+    np.testing.assert_allclose(logits, hidden @ table.T, atol=0.05 * np.abs(hidden @ table.T).max())
 
 
 # `keras_transformer_export.onnx.convert` (tf2onnx) is tested by tests/test_export.py; here it returns
@@ -150,6 +231,30 @@ def test_int8_export_quantizes_the_loop_and_records_the_bleu_check(int8_export, 
     assert gate["bleu_drop"] <= gate["max_bleu_drop"] == 1.0
     assert 0 <= gate["identical_translations"] <= 40
     assert json.loads((converted / "export.json").read_text())["quantization"] == {"type": "float32"}
+
+
+def _vocabulary_matrices(model, vocab):
+    """`(shape, dtype)` of each stored matrix of `model` with a vocabulary-sized axis."""
+    return sorted(
+        (tuple(init.dims), numpy_helper.to_array(init).dtype.name)
+        for graph in all_graphs(model.graph)
+        for init in graph.initializer
+        if len(init.dims) == 2 and vocab in init.dims
+    )
+
+
+def test_tied_embedding_is_stored_once_in_float32_and_in_int8(int8_export, converted):
+    config = json.loads((converted / "export.json").read_text())["model"]
+    vocab, width = config["vocab_size"], config["d_model"]
+    # float32: the one matrix E that the lookups and the output projection's Gemm read.
+    assert _vocabulary_matrices(onnx.load(str(converted / "translate.onnx")), vocab) == [
+        ((vocab, width), "float32")
+    ]
+    # int8: Qᵀ (with a scale per vocabulary entry); no float32 copy of the embedding is left.
+    int8 = onnx.load(str(int8_export / "translate.onnx"))
+    assert _vocabulary_matrices(int8, vocab) == [((width, vocab), "int8")]
+    scales = [init for init in int8.graph.initializer if init.name.endswith("/row_scales")]
+    assert [(tuple(s.dims), s.data_type) for s in scales] == [((vocab,), TensorProto.FLOAT)]
 
 
 def test_int8_graphs_translate_in_every_mode(int8_export, synthetic_files):

@@ -195,7 +195,9 @@ class Transformer(keras_compat.DistributedFitFixes, keras.Model):
         """
         embedded = self.target_embedding(keras.ops.expand_dims(token_ids, axis=1))
         hidden, cache = self.decoder(embedded, memory_mask=memory_mask, cache=cache, cache_step=step)
-        return self.project(hidden)[:, 0], cache
+        # Project the one position as a matrix `(rows, d_model)`: the exported step is then one
+        # `Gemm` that reads the tied embedding as stored (keras_transformer_export.graph_rewrites).
+        return self.project(hidden[:, 0]), cache
 
     def translate_ids(self, source_ids, beam_size=4, length_penalty=0.6, max_extra_length=50, num_return=1):
         """Beam search (§6.1) from source ids; `beam_size=1` and `length_penalty=0` is greedy.
@@ -214,7 +216,7 @@ class Transformer(keras_compat.DistributedFitFixes, keras.Model):
         )
 
     def project(self, hidden):
-        """Decoder output `(batch, len, d_model)` -> float32 logits `(batch, len, vocab)`."""
+        """Decoder output `(batch, len, d_model)` (or `(rows, d_model)`) -> float32 logits `(..., vocab)`."""
         if self.output_projection is not None:
             return self.output_projection(hidden)
         return self.target_embedding.project(hidden)
