@@ -92,4 +92,4 @@ def masked_softmax(logits, mask=None):
     if mask is None:
         return weights
     # Only changes fully masked rows (whose softmax is uniform over nothing).
-    return ops.where(mask, weights, ops.zeros_like(weights))
+    return ops.where(mask, weights, ops.cast(0.0, "float32"))  # a scalar: no zeros tensor to build
