@@ -11,6 +11,7 @@ import sys
 import time
 
 from keras_transformer.cli import add_model_arguments, non_negative_float, positive_int
+from keras_transformer.decoding import policy
 
 
 def add_export_command(commands):
@@ -22,7 +23,7 @@ def add_export_command(commands):
     export.add_argument(
         "--max-extra-length",
         type=int,
-        default=50,
+        default=policy.MAX_EXTRA_LENGTH,
         help="output length limit = source length + this (default 50)",
     )
     export.add_argument("--format", required=True, choices=["saved_model", "onnx", "ctranslate2"])

@@ -58,6 +58,7 @@ import os
 import numpy as np
 
 from keras_transformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
+from keras_transformer.decoding import policy
 from keras_transformer.layers.positional_encoding import sinusoidal_table
 from keras_transformer.utils.checks import UserError
 from keras_transformer_export.layout import atomic_directory
@@ -205,9 +206,9 @@ def export_ctranslate2(
     tokenizer,
     out_dir,
     quantization="float32",
-    beam_size=4,
-    length_penalty=0.6,
-    max_extra_length=50,
+    beam_size=policy.BEAM_SIZE,
+    length_penalty=policy.LENGTH_PENALTY,
+    max_extra_length=policy.MAX_EXTRA_LENGTH,
     overwrite=False,
 ):
     """Writes the CTranslate2 model of `model` (a `Transformer`) into `out_dir`; returns its path.
@@ -363,7 +364,7 @@ class CTranslate2Translator:
         ranked = []
         for hyps, log_probs in zip(hypotheses, scores):
             penalized = [
-                (p / ((5.0 + len(h)) / 6.0) ** self.length_penalty, h) for h, p in zip(hyps, log_probs)
+                (p / policy.length_penalty(len(h), self.length_penalty), h) for h, p in zip(hyps, log_probs)
             ]
             score, best = max(penalized, key=lambda pair: pair[0])
             ranked.append((best[:-1], score))

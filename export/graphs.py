@@ -33,6 +33,7 @@ import keras
 import tensorflow as tf
 
 from keras_transformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
+from keras_transformer.decoding import policy
 from keras_transformer.decoding.search import beam_search
 from keras_transformer.layers.decoding_cache import DecodingCache
 from keras_transformer.layers.masks import padding_mask
@@ -69,7 +70,14 @@ class TranslationGraphs:
             into the translate graphs (4, 0.6, 50 as in the paper).
     """
 
-    def __init__(self, model, tokenizer, beam_size=4, length_penalty=0.6, max_extra_length=50):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        beam_size=policy.BEAM_SIZE,
+        length_penalty=policy.LENGTH_PENALTY,
+        max_extra_length=policy.MAX_EXTRA_LENGTH,
+    ):
         if not isinstance(tokenizer, Tokenizer):
             raise TypeError(f"tokenizer must be a keras_transformer Tokenizer; got {tokenizer!r}.")
         if isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1:

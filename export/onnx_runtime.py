@@ -5,7 +5,9 @@
     translator = OnnxTranslator("exports/demo-onnx", mode="split")  # encoder + decoder_step
     texts, scores = translator.translate(["A dog runs."])
 
-Only `numpy`, `onnxruntime` and `sentencepiece` are imported. Text is
+Only `numpy`, `onnxruntime` and `sentencepiece` are imported (and the
+dependency-free `keras_transformer.decoding.policy`, without the rest of the
+library). Text is
 tokenized with the export's `tokenizer.model` through `sentencepiece` (the
 library tf-text wraps, so the ids are the same), truncated to the model's
 `max_length` (EOS kept last) and batched by length.
@@ -18,19 +20,39 @@ at the first NUL character ("a\x00b" is translated as "a").
 
 `SplitBeamSearch` is the NumPy beam search that drives `encoder.onnx` and
 `decoder_step.onnx`: the same algorithm, in the same float32 arithmetic, as
-`keras_transformer.decoding.search.beam_search` (GNMT length penalty, a pool of
-finished hypotheses, the same stopping rule and tie-breaking), so it returns
-the same tokens.
+`keras_transformer.decoding.search.beam_search` (the rules of
+`keras_transformer.decoding.policy`: length penalty, output limits, ids never
+output, stopping rule; a pool of finished hypotheses and the same
+tie-breaking), so it returns the same tokens.
 """
 
+import importlib.util
 import json
 import os
+import sys
 
 import numpy as np
 
 from keras_transformer_export.cache_names import cross_names, past_names, present_names
 
-NEG_INF = np.float32(-1.0e9)  # as keras_transformer.decoding.search
+
+def _decoding_policy():
+    """`keras_transformer.decoding.policy`, the search's rules, without running `keras_transformer`'s
+    `__init__` (it imports Keras, and this module runs where only NumPy and ONNX Runtime are).
+    The policy module imports nothing; it is registered under its name, so a later `import
+    keras_transformer` uses the same module."""
+    name = "keras_transformer.decoding.policy"
+    if name not in sys.modules:
+        package = importlib.util.find_spec("keras_transformer").submodule_search_locations[0]
+        spec = importlib.util.spec_from_file_location(name, os.path.join(package, "decoding", "policy.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+policy = _decoding_policy()
+NEG_INF = np.float32(policy.NEG_INF)
 UNK_ID = 1  # kept by detokenization (keras_transformer.data.tokenizer)
 
 
@@ -81,8 +103,8 @@ class SplitBeamSearch:
         self.decoder = make_session(os.path.join(export_dir, "decoder_step.onnx"), threads)
 
     def penalty(self, length):
-        """GNMT length penalty ((5 + length) / 6) ** alpha, in float32."""
-        return np.power((np.float32(5.0) + np.asarray(length, np.float32)) / np.float32(6.0), self.alpha)
+        """`policy.length_penalty` in float32."""
+        return policy.length_penalty(np.asarray(length, np.float32), self.alpha)
 
     def __call__(self, source_ids):
         """Source ids int32 `(batch, len_src)` -> `(target_ids (batch, max_len), scores (batch,))`.
@@ -98,8 +120,8 @@ class SplitBeamSearch:
         batch, source_length = source_ids.shape
         pad, eos = config["pad_id"], config["eos_id"]
         lengths = np.sum(source_ids != pad, axis=1).astype(np.int32)
-        limits = np.clip(lengths + self.max_extra_length, 1, config["max_length"])
-        max_len = int(np.clip(source_length + self.max_extra_length, 1, config["max_length"]))
+        limits = policy.output_limits(lengths, config["max_length"], np, self.max_extra_length)
+        max_len = int(policy.output_limits(source_length, config["max_length"], np, self.max_extra_length))
         results = np.full((batch, max_len), pad, np.int32), np.full((batch,), NEG_INF, np.float32)
         if batch == 0:
             return results
@@ -130,7 +152,7 @@ class SplitBeamSearch:
             if step == 0:  # the vocabulary's masks, once
                 vocab = log_probs.shape[-1]
                 ids = np.arange(vocab)
-                never = np.logical_or(ids == pad, ids == config["bos_id"])  # as decoding._Setup.constrain
+                never = np.isin(ids, [config[name] for name in policy.NEVER_OUTPUT])
             is_last = (step >= limits - 1)[:, None, None]
             log_probs = np.where(
                 np.logical_or(never, np.logical_and(is_last, ids != eos)), NEG_INF, log_probs
@@ -150,10 +172,8 @@ class SplitBeamSearch:
             finished_scores = np.take_along_axis(pool_scores, keep, axis=1)
             finished = pool[rows, keep]
             alive_log_probs = np.where(is_eos, NEG_INF, top_log_probs).astype(np.float32)
-            # As decoding._BeamSearch._sentence_done, before the next position.
-            done = np.logical_or(
-                finished_scores[:, -1] >= alive_log_probs.max(axis=1) / self.penalty(limits),
-                step + 1 >= limits,
+            done = policy.search_is_final(
+                step + 1, limits.astype(np.float32), alive_log_probs, finished_scores, self.alpha, np
             )
             results[0][sentences[done]] = finished[done, 0]
             results[1][sentences[done]] = finished_scores[done, 0]

@@ -16,11 +16,18 @@ import sys
 import numpy as np
 import tensorflow as tf
 
+from keras_transformer.decoding import policy
 from keras_transformer_export.onnx_runtime import OnnxTranslator, make_session
 
 
 def check_parity(
-    model, tokenizer, sentences, saved_model_dir=None, onnx_dir=None, beam_size=4, length_penalty=0.6
+    model,
+    tokenizer,
+    sentences,
+    saved_model_dir=None,
+    onnx_dir=None,
+    beam_size=policy.BEAM_SIZE,
+    length_penalty=policy.LENGTH_PENALTY,
 ):
     """A report `{"sentences", "runtimes": {name: {"identical", "first_difference"}},
     "max_logit_difference"}`.

@@ -29,6 +29,7 @@ import os
 import sys
 import time
 
+from keras_transformer.decoding import policy
 from keras_transformer.training.options import FIELDS, flag
 from keras_transformer.utils.arguments import (  # noqa: F401  (public: the export command uses them)
     non_negative_float,
@@ -186,11 +187,11 @@ def add_model_arguments(parser, beam=True, batch=True):
         "--model", required=True, help="a run directory (uses its model.keras) or a .keras file inside one"
     )
     if beam:
-        parser.add_argument("--beam-size", type=positive_int, default=4)
+        parser.add_argument("--beam-size", type=positive_int, default=policy.BEAM_SIZE)
         parser.add_argument(
             "--length-penalty",
             type=non_negative_float,
-            default=0.6,
+            default=policy.LENGTH_PENALTY,
             help="alpha of the GNMT length penalty ((5 + length) / 6)^alpha (default 0.6; 0: none)",
         )
     if batch:

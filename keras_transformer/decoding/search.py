@@ -35,15 +35,24 @@ import functools
 from typing import NamedTuple
 
 import keras
+import numpy as np
 from keras import ops
 
+from keras_transformer.decoding.policy import (
+    BEAM_SIZE,
+    CACHE_POLICIES,
+    LENGTH_PENALTY,
+    MAX_EXTRA_LENGTH,
+    NEG_INF,
+    NEVER_OUTPUT,
+    length_penalty,
+    output_limits,
+    search_is_final,
+)
 from keras_transformer.layers.dropout import in_xla_computation
 from keras_transformer.layers.masks import padding_mask
 from keras_transformer.layers.portable_ops import gather_rows, write_at
 from keras_transformer.utils.checks import check_positive_int
-
-NEG_INF = -1.0e9  # "impossible" log-probability; finite, so 0 * NEG_INF stays 0
-CACHE_POLICIES = ("auto", "growing", "fixed")
 
 
 def _inference(search):
@@ -133,7 +142,7 @@ def greedy_search(
     model,
     source_ids,
     max_length=None,
-    max_extra_length=50,
+    max_extra_length=MAX_EXTRA_LENGTH,
     min_length=0,
     use_cache=True,
     cache_policy="auto",
@@ -190,9 +199,9 @@ def greedy_search(
 def beam_search(
     model,
     source_ids,
-    beam_size=4,
-    length_penalty=0.6,
-    max_extra_length=50,
+    beam_size=BEAM_SIZE,
+    length_penalty=LENGTH_PENALTY,
+    max_extra_length=MAX_EXTRA_LENGTH,
     num_return=1,
     max_length=None,
     min_length=0,
@@ -260,25 +269,23 @@ class _Setup:
         self.batch = ops.shape(self.source_ids)[0]
         self.memory_mask = padding_mask(self.source_ids, config.pad_id)  # (batch, 1, len_src)
         self.memory = model.encode(self.source_ids, training=False)  # (batch, len_src, d_model)
-        if max_length is None:
+        if max_length is None:  # (batch,) tokens incl. EOS
             lengths = ops.sum(ops.cast(ops.not_equal(self.source_ids, config.pad_id), "int32"), axis=1)
-            limits = lengths + max_extra_length
+            self.limits = output_limits(lengths, config.max_length, ops, max_extra_length)
             source_length = self.source_ids.shape[1]
             if source_length is None:  # unknown until run time (exported graphs)
                 source_length = ops.shape(self.source_ids)[1]
-                self.max_len = ops.clip(source_length + max_extra_length, 1, config.max_length)
+                self.max_len = output_limits(source_length, config.max_length, ops, max_extra_length)
             else:  # a Python int: static shapes for XLA
-                self.max_len = max(1, min(source_length + max_extra_length, config.max_length))
+                self.max_len = int(output_limits(source_length, config.max_length, np, max_extra_length))
         else:
-            limits = ops.full((self.batch,), max_length, "int32")
+            self.limits = ops.full((self.batch,), min(max_length, config.max_length), "int32")
             self.max_len = min(max_length, config.max_length)
-        self.limits = ops.clip(limits, 1, config.max_length)  # (batch,) tokens incl. EOS
         ids = ops.arange(config.target_vocab)
         self.is_eos = ops.equal(ids, config.eos_id)  # (vocab,)
         self.not_eos = ops.logical_not(self.is_eos)
-        # Padding and BOS are never outputs: a generated pad would also make cached
-        # decoding (no target padding mask) differ from a full forward pass.
-        self.never = ops.logical_or(ops.equal(ids, config.pad_id), ops.equal(ids, config.bos_id))
+        never = [ops.equal(ids, getattr(config, name)) for name in NEVER_OUTPUT]  # policy.NEVER_OUTPUT
+        self.never = functools.reduce(ops.logical_or, never)
 
     def constrain(self, log_probs, step, limits=None):
         """Applies the output rules to one step's log-probabilities.
@@ -400,8 +407,8 @@ class _BeamSearch:
         self.beam_size, self.alpha = beam_size, float(length_penalty)
 
     def penalty(self, length):
-        """GNMT length penalty ((5 + length) / 6) ** alpha."""
-        return ops.power((5.0 + ops.cast(length, "float32")) / 6.0, self.alpha)
+        """`policy.length_penalty` of an int length."""
+        return length_penalty(ops.cast(length, "float32"), self.alpha)
 
     def run(self):
         batch, beam, config = self.setup.batch, self.beam_size, self.config
@@ -435,18 +442,9 @@ class _BeamSearch:
         return ops.logical_and(state["step"] < self.setup.max_len, ops.logical_not(ops.all(state["done"])))
 
     def _sentence_done(self, step, limits, alive_log_probs, finished_scores):
-        """Whether each sentence's search is final before decoding position `step` `(sentences,)`.
-
-        A live hypothesis can at best keep its log-probability and get the
-        largest length penalty allowed for its sentence. The best live one is
-        the maximum, not slot 0: a slot whose candidate ended in EOS is dead
-        (`NEG_INF`) for a step, and reading slot 0 then took the search for
-        final while live hypotheses could still beat the pool.
-        """
-        best_alive = ops.max(alive_log_probs, axis=1) / self.penalty(limits)
-        return ops.logical_or(
-            ops.greater_equal(finished_scores[:, -1], best_alive), ops.greater_equal(step, limits)
-        )
+        """`policy.search_is_final` before decoding position `step` `(sentences,)`."""
+        limits = ops.cast(limits, "float32")
+        return search_is_final(step, limits, alive_log_probs, finished_scores, self.alpha, ops)
 
     def _step(self, state):
         beam, step, limits = self.beam_size, state["step"], state["limits"]

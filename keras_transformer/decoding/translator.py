@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from keras_transformer.decoding import policy
 from keras_transformer.decoding.search import beam_search
 from keras_transformer.utils.tensorflow import import_tensorflow
 
@@ -49,9 +50,9 @@ class Translator:
         self,
         model,
         tokenizer,
-        beam_size=4,
-        length_penalty=0.6,
-        max_extra_length=50,
+        beam_size=policy.BEAM_SIZE,
+        length_penalty=policy.LENGTH_PENALTY,
+        max_extra_length=policy.MAX_EXTRA_LENGTH,
         batch_size=64,
         jit_compile=False,
         cache_policy="auto",

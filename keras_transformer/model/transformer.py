@@ -199,21 +199,16 @@ class Transformer(keras_compat.DistributedFitFixes, keras.Model):
         # `Gemm` that reads the tied embedding as stored (keras_transformer_export.graph_rewrites).
         return self.project(hidden[:, 0]), cache
 
-    def translate_ids(self, source_ids, beam_size=4, length_penalty=0.6, max_extra_length=50, num_return=1):
-        """Beam search (§6.1) from source ids; `beam_size=1` and `length_penalty=0` is greedy.
+    def translate_ids(self, source_ids, **search_options):
+        """Beam search (§6.1) from source ids: `keras_transformer.beam_search(self, source_ids,
+        **search_options)`, with its defaults (`keras_transformer.decoding.policy`: beam 4, α 0.6,
+        source length + 50 tokens); `beam_size=1` and `length_penalty=0` is greedy.
 
         Returns `Translations(ids, scores, log_probs)`, as `keras_transformer.beam_search`.
         """
         from keras_transformer.decoding.search import beam_search
 
-        return beam_search(
-            self,
-            source_ids,
-            beam_size=beam_size,
-            length_penalty=length_penalty,
-            max_extra_length=max_extra_length,
-            num_return=num_return,
-        )
+        return beam_search(self, source_ids, **search_options)
 
     def project(self, hidden):
         """Decoder output `(batch, len, d_model)` (or `(rows, d_model)`) -> float32 logits `(..., vocab)`."""

@@ -10,6 +10,7 @@ import dataclasses
 import time
 
 from keras_transformer.data.corpora import load_corpus
+from keras_transformer.decoding import policy
 from keras_transformer.decoding.translator import Translator
 from keras_transformer.evaluation import Scores, score_translations
 from keras_transformer.training.run_directory import load_model, resolve_model
@@ -37,8 +38,8 @@ def evaluate_run(
     target_lang=None,
     limit=None,
     output=None,
-    beam_size=4,
-    length_penalty=0.6,
+    beam_size=policy.BEAM_SIZE,
+    length_penalty=policy.LENGTH_PENALTY,
     batch_size=64,
     progress=None,
 ):

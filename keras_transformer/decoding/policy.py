@@ -1,0 +1,74 @@
+"""The decoding policy, written once: §6.1's defaults, the length penalty, the output-length rule,
+which ids may be output, and when a beam search is final.
+
+"We used beam search with a beam size of 4 and length penalty α = 0.6 [...]
+We set the maximum output length during inference to input length + 50, but
+terminate early when possible." (§6.1; the penalty is GNMT's, Wu et al. 2016.)
+
+Every search that claims to give the model's translation uses these
+definitions: the Keras search (`keras_transformer.decoding.search`, on any
+backend and inside exported graphs), the NumPy driver of the ONNX step graphs
+(`keras_transformer_export.onnx_runtime.SplitBeamSearch`) and the CTranslate2
+translator, which re-ranks CTranslate2's hypotheses with `length_penalty`
+(`keras_transformer_export.ctranslate2`). The rules that touch arrays take the
+array namespace `xp` (`numpy` or `keras.ops`; the functions they call have
+the same names and meaning in both).
+
+Shape legend: sentences = sentences still searched, beam = beam_size.
+"""
+
+BEAM_SIZE = 4  # §6.1
+LENGTH_PENALTY = 0.6  # α of `length_penalty`, §6.1
+MAX_EXTRA_LENGTH = 50  # output tokens beyond the source length, §6.1
+
+# "Impossible" log-probability; finite, so that 0 * NEG_INF stays 0.
+NEG_INF = -1.0e9
+
+# Self-attention cache of the incremental decoder (keras_transformer.layers.decoding_cache):
+# "growing" (one position appended per step; finished sentences leave the batch), "fixed"
+# (preallocated, static shapes: XLA and JAX) or "auto" (the backend's best).
+CACHE_POLICIES = ("auto", "growing", "fixed")
+
+
+def length_penalty(length, alpha):
+    """GNMT's `((5 + length) / 6) ** alpha`: a hypothesis scores `log P / length_penalty(length)`.
+
+    `length` counts output tokens, EOS included; a Python number, or a float
+    array or tensor (its dtype is kept: float32 in every search). `alpha = 0`
+    ranks by log-probability alone.
+    """
+    return ((5.0 + length) / 6.0) ** alpha
+
+
+def output_limits(source_lengths, max_length, xp, max_extra_length=MAX_EXTRA_LENGTH):
+    """Output tokens allowed per sentence, EOS included: `source length + max_extra_length`,
+    within `[1, max_length]` (the model's positions). `source_lengths` counts non-pad ids."""
+    return xp.clip(source_lengths + max_extra_length, 1, max_length)  # (sentences,)
+
+
+# The special ids no search outputs (names of `TransformerConfig` fields): padding, and BOS (a
+# generated pad would also make cached decoding, which has no target padding mask, differ from a
+# full forward pass). EOS is forced at a sentence's last allowed position (`output_limits`).
+NEVER_OUTPUT = ("pad_id", "bos_id")
+
+
+def search_is_final(step, limits, alive_log_probs, finished_scores, alpha, xp):
+    """Whether each sentence's beam search is final before decoding position `step`: `(sentences,)` bool.
+
+    A live hypothesis can at best keep its log-probability and get the
+    largest length penalty its sentence allows, so once the worst of the
+    `beam` finished hypotheses scores at least the best live one divided by
+    that penalty, none can enter the pool. The best live one is the maximum
+    over the beam, not slot 0: a slot whose candidate ended in EOS is dead
+    (`NEG_INF`) for a step. A sentence that reached its limit is final too.
+
+    Args:
+        step: tokens decoded so far (an int or a scalar tensor).
+        limits: float32 `(sentences,)`, `output_limits` as floats.
+        alive_log_probs: float32 `(sentences, beam)`.
+        finished_scores: float32 `(sentences, beam)`, best first (`NEG_INF`: empty slot).
+        alpha: `length_penalty`'s α.
+        xp: `numpy` or `keras.ops`.
+    """
+    best_alive = xp.max(alive_log_probs, axis=1) / length_penalty(limits, alpha)
+    return xp.logical_or(xp.greater_equal(finished_scores[:, -1], best_alive), xp.greater_equal(step, limits))
