@@ -30,7 +30,10 @@ differently; `export/ctranslate2.py`); int8 and native rows report their BLEU
 instead.
 
 Timing: batch 1 latency (median, p90) over `--single` sentences, each
-translated alone by every runtime in turn; batch 32 target tokens/s over the
+translated alone by every runtime in turn, with a 50 ms pause before each
+timed call so that the previous runtime's spinning threads do not slow the
+next one (`SETTLE_SECONDS`; without it CTranslate2 ran 2-3x slower in this
+process than alone); batch 32 target tokens/s over the
 whole `--split`, sorted by length and cut into batches of 32, every batch
 translated by every runtime in turn (interleaved, so the machine's noise falls
 on all rows alike). The same pass gives each runtime's sacreBLEU on the split.
@@ -64,6 +67,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 BATCH = 32
+# Pause before each timed call (not timed). After a call, a runtime's idle worker threads spin
+# for a while before they sleep (ONNX Runtime's intra-op pool, CTranslate2's OpenMP threads,
+# TensorFlow's pool); on 2 cores they take the CPU from the runtime timed next. Measured:
+# CTranslate2 at batch 1 took 8-14 ms alone, 22-41 ms right after an ONNX Runtime session's
+# runs, 11.5 ms after a 50 ms pause. Each runtime is timed as it would run alone.
+SETTLE_SECONDS = 0.05
 EXACT = ("keras (fixed cache)", "saved_model", "onnx_full (before)", "onnx_full", "onnx_split")
 
 
@@ -258,6 +267,7 @@ def main():
         latencies = {name: [] for name in translate}
         for sentence in single:
             for name, f in translate.items():
+                time.sleep(SETTLE_SECONDS)  # the previous runtime's threads stop spinning
                 tick = time.perf_counter()
                 f([sentence])
                 latencies[name].append(time.perf_counter() - tick)
@@ -267,6 +277,7 @@ def main():
         for batch in batches:
             chunk = [sources[i] for i in batch]
             for name, f in translate.items():
+                time.sleep(SETTLE_SECONDS)
                 tick = time.perf_counter()
                 out = f(chunk)
                 seconds[name] += time.perf_counter() - tick
