@@ -89,7 +89,7 @@ def runtimes(model, tokenizer, directory, args):
     import tensorflow as tf
 
     from keras_transformer.decoding.translator import Translator
-    from keras_transformer_export.ctranslate2 import CTranslate2Translator, export_ctranslate2
+    from keras_transformer_export.ctranslate2 import export_ctranslate2
     from keras_transformer_export.graphs import TranslationGraphs
     from keras_transformer_export.onnx import convert, export_onnx
     from keras_transformer_export.onnx_runtime import OnnxTranslator
@@ -125,31 +125,13 @@ def runtimes(model, tokenizer, directory, args):
         "onnx_split": OnnxTranslator(onnx_dir, "split", BATCH, args.threads),
         "onnx_int8": OnnxTranslator(int8_dir, "full", BATCH, args.threads),
     }
-    ct2_translators = {
-        q: CTranslate2Translator(path, intra_threads=args.threads, batch_size=BATCH)
-        for q, path in ct2.items()
-    }
+    # Each CTranslate2 model in a process of its own: a loaded int8 model slows every CTranslate2
+    # translator of its process (`Ct2Worker`).
+    ct2_workers = {q: Ct2Worker(path, args) for q, path in ct2.items()}
 
     def saved_model(sentences):
         out = signature(text=tf.constant(sentences))["translation"].numpy()
         return [t.decode("utf-8") for t in out]
-
-    def native(translator):
-        def translate(sentences):
-            tokens = translator.tokenize(sentences)
-            limit = max(
-                1, min(max(map(len, tokens)) + 1 + translator.max_extra_length, translator.max_length) - 1
-            )
-            outputs = translator.translator.translate_batch(
-                tokens,
-                beam_size=args.beam_size,
-                length_penalty=args.length_penalty,
-                max_decoding_length=limit,
-                suppress_sequences=translator.never,
-            )
-            return [translator.processor.decode_pieces(o.hypotheses[0]) for o in outputs]
-
-        return translate
 
     result = {
         "keras": lambda s: keras_translator.translate(s)[0],
@@ -157,10 +139,10 @@ def runtimes(model, tokenizer, directory, args):
         "saved_model": saved_model,
     }
     result.update({name: _texts_of(t) for name, t in onnx_runtimes.items()})
-    for q, translator in ct2_translators.items():
-        result[f"ct2_{q}"] = _texts_of(translator)
-    for q, translator in ct2_translators.items():
-        result[f"ct2_native_{q}"] = native(translator)
+    for q, worker in ct2_workers.items():
+        result[f"ct2_{q}"] = worker.mode("parity")
+    for q, worker in ct2_workers.items():
+        result[f"ct2_native_{q}"] = worker.mode("native")
     sizes = {  # each file on its own
         "translate.onnx float32": os.path.getsize(os.path.join(onnx_dir, "translate.onnx")),
         "translate.onnx int8": os.path.getsize(os.path.join(int8_dir, "translate.onnx")),
@@ -172,6 +154,81 @@ def runtimes(model, tokenizer, directory, args):
     )
     sizes["translate.onnx Loop body nodes"] = len(next(a.g for a in loop.attribute if a.name == "body").node)
     return result, sizes
+
+
+def _ct2_serve(path, beam_size, length_penalty, threads, connection):
+    """A CTranslate2 worker process: `(mode, sentences)` in, `(texts, seconds)` out, until None.
+
+    `parity`: `CTranslate2Translator` (GNMT re-ranking of the n-best, batches split by source
+    length); `native`: CTranslate2's own search, one `translate_batch` per batch.
+    """
+    from keras_transformer_export.ctranslate2 import CTranslate2Translator
+
+    translator = CTranslate2Translator(path, intra_threads=threads, batch_size=BATCH)
+
+    def native(sentences):
+        tokens = translator.tokenize(sentences)
+        limit = max(
+            1, min(max(map(len, tokens)) + 1 + translator.max_extra_length, translator.max_length) - 1
+        )
+        outputs = translator.translator.translate_batch(
+            tokens,
+            beam_size=beam_size,
+            length_penalty=length_penalty,
+            max_decoding_length=limit,
+            suppress_sequences=translator.never,
+        )
+        return [translator.processor.decode_pieces(o.hypotheses[0]) for o in outputs]
+
+    modes = {"parity": lambda sentences: translator.translate(sentences)[0], "native": native}
+    connection.send("ready")
+    while (request := connection.recv()) is not None:
+        mode, sentences = request
+        tick = time.perf_counter()
+        texts = modes[mode](sentences)
+        connection.send((texts, time.perf_counter() - tick))
+
+
+class Ct2Worker:
+    """A CTranslate2 model served by a process of its own (`_ct2_serve`).
+
+    A loaded int8 model with 2 intra-op threads slows every CTranslate2
+    translator of its process about 3x on this machine (float32 test2016 at
+    batch 32: 195 sentences/s alone, 70 with an int8 translator loaded beside
+    it; int8 itself: 200 with 1 thread, 67 with 2), so the float32 and int8
+    rows each get a process. The time is taken in the worker, around the
+    translation alone (no inter-process transfer).
+    """
+
+    def __init__(self, path, args):
+        import multiprocessing
+
+        context = multiprocessing.get_context("spawn")
+        self.connection, child = context.Pipe()
+        self.process = context.Process(
+            target=_ct2_serve,
+            args=(path, args.beam_size, args.length_penalty, args.threads, child),
+            daemon=True,
+        )
+        self.process.start()
+        if self.connection.recv() != "ready":  # pragma: no cover
+            raise SystemExit("bench_serving: a CTranslate2 worker did not start.")
+
+    def mode(self, mode):
+        def translate(sentences):
+            self.connection.send((mode, list(sentences)))
+            texts, seconds = self.connection.recv()
+            translate.seconds = seconds
+            return texts
+
+        return translate
+
+
+def _timed(translate, sentences):
+    """`(texts, seconds)`: the worker's own time where it reports one, else the wall time."""
+    tick = time.perf_counter()
+    texts = translate(sentences)
+    return texts, getattr(translate, "seconds", time.perf_counter() - tick)
 
 
 def _texts_of(translator):
@@ -268,9 +325,7 @@ def main():
         for sentence in single:
             for name, f in translate.items():
                 time.sleep(SETTLE_SECONDS)  # the previous runtime's threads stop spinning
-                tick = time.perf_counter()
-                f([sentence])
-                latencies[name].append(time.perf_counter() - tick)
+                latencies[name].append(_timed(f, [sentence])[1])
         print("  batch 1 timed", flush=True)
         texts = {name: [None] * len(sources) for name in translate}
         seconds = dict.fromkeys(translate, 0.0)
@@ -278,9 +333,8 @@ def main():
             chunk = [sources[i] for i in batch]
             for name, f in translate.items():
                 time.sleep(SETTLE_SECONDS)
-                tick = time.perf_counter()
-                out = f(chunk)
-                seconds[name] += time.perf_counter() - tick
+                out, took = _timed(f, chunk)
+                seconds[name] += took
                 for i, text in zip(batch, out):
                     texts[name][i] = text
         print("  batch 32 timed", flush=True)
