@@ -186,14 +186,13 @@ def _write_export(args, graphs, name, run):
 def _int8_gate(args, run, log):
     """`keras_transformer_export.quantization.BleuGate` on the run's validation pairs (or those of --data)."""
     from keras_transformer.data.corpora import load_corpus
-    from keras_transformer.training.trainer import validation_pairs
     from keras_transformer_export.quantization import DEFAULT_MAX_BLEU_DROP, BleuGate
 
     options = run.settings()["options"]
     data = args.data or options["data"]
     data_dir = args.data_dir or (options.get("data_dir") if args.data is None else None)
     corpus = load_corpus(data, data_dir, options.get("source_lang", "en"), options.get("target_lang", "de"))
-    sources, references = validation_pairs(corpus)
+    sources, references = corpus.validation_pairs()
     if args.gate_sentences:
         sources, references = sources[: args.gate_sentences], references[: args.gate_sentences]
     max_drop = DEFAULT_MAX_BLEU_DROP if args.max_bleu_drop is None else args.max_bleu_drop

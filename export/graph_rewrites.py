@@ -37,7 +37,9 @@ kernel launch per node, and at batch 1 that, not the arithmetic, is the cost):
    `tf.where(c, p, q)` (SelectV2: the key/value cache writes, the attention
    and beam masks) as `p · Cast(c) + q · Cast(Not(c))`: six kernels, five of
    them full passes over the output, and NaN wherever `p` or `q` is infinite.
-   Each becomes one ONNX `Where(c, p, q)`, TensorFlow's own semantics, except
+   Each becomes one ONNX `Where(c, p, q)`, TensorFlow's own semantics (also
+   where tf2onnx computed `q · Cast(Not(c))` once for several blends, as for a
+   constant fill and a mask every layer shares), except
    the writes into a `Loop`'s carried values (the key/value cache): ONNX
    Runtime's broadcasting `Where` is slower than its Mul/Add over a whole
    cache. Measured side by side on the `mini` model (256 val sentences): all
@@ -488,7 +490,7 @@ def select_with_where(model):
 def _blend_at(add, producers, uses):
     """`(c, p, q)` if `add` is `p * Cast(c) + q * Cast(Not(c))` (factors in either order), else None."""
     terms = [producers.get(name) for name in add.input]
-    if len(terms) != 2 or any(t is None or t.op_type != "Mul" or uses.get(t.output[0]) != 1 for t in terms):
+    if len(terms) != 2 or any(t is None or t.op_type != "Mul" for t in terms):
         return None
 
     def split(mul):  # (the factor that is a Cast of a bool, the other factor), or None
@@ -499,6 +501,10 @@ def _blend_at(add, producers, uses):
         return None
 
     for first, second in (terms, terms[::-1]):
+        # The kept side's product feeds this blend only; the other may be shared (a constant fill
+        # times the negated mask, computed once for every layer): it goes once nothing reads it.
+        if uses.get(first.output[0]) != 1:
+            continue
         kept, dropped = split(first), split(second)
         if kept is None or dropped is None:
             continue

@@ -32,9 +32,10 @@ import os
 import keras
 import tensorflow as tf
 
-from keras_transformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
+from keras_transformer.data.tokenizer import Tokenizer
 from keras_transformer.decoding import policy
 from keras_transformer.decoding.search import beam_search
+from keras_transformer.decoding.translator import log_likelihood
 from keras_transformer.layers.decoding_cache import DecodingCache
 from keras_transformer.layers.masks import padding_mask
 from keras_transformer.model.transformer import Transformer
@@ -163,14 +164,7 @@ class TranslationGraphs:
         """
         source_ids = self.source_ids(source, repair_utf8=True)
         pieces = self.tokenizer.tokenize(target, repair_utf8=True)[:, : self.config.max_length - 1]
-        rows = pieces.nrows()
-        labels = tf.concat([pieces, tf.fill([rows, 1], EOS_ID)], axis=1).to_tensor(PAD_ID)
-        inputs = tf.concat([tf.fill([rows, 1], BOS_ID), pieces], axis=1).to_tensor(PAD_ID)
-        logits = self.forward(source_ids, inputs)["logits"]
-        log_probs = tf.nn.log_softmax(logits, axis=-1)
-        picked = tf.gather(log_probs, labels, batch_dims=2)  # (batch, len_tgt)
-        real = tf.cast(tf.not_equal(labels, PAD_ID), tf.float32)
-        return {"log_likelihood": tf.reduce_sum(picked * real, axis=1)}
+        return {"log_likelihood": log_likelihood(self.model, source_ids, tf.cast(pieces, tf.int32))}
 
     def forward(self, source_ids, target_ids):
         """Teacher-forced logits `(batch, len_tgt, vocab)` (target_ids = BOS + target)."""

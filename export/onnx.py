@@ -42,10 +42,10 @@ come from `str` in Python, which is always valid).
 
 import os
 
-import numpy as np
 import onnx
 from onnx import TensorProto, compose, helper
 
+from keras_transformer.utils import keras_compat
 from keras_transformer_export.graph_rewrites import all_graphs, simplify
 from keras_transformer_export.graphs import TranslationGraphs
 from keras_transformer_export.layout import atomic_directory
@@ -134,7 +134,7 @@ def convert(graphs, name, extra_opset=None):
     import tensorflow as tf
     import tf2onnx
 
-    _patch_tf2onnx()
+    keras_compat.patch_tf2onnx_for_numpy2()
     model, _ = tf2onnx.convert.from_function(
         tf.function(getattr(graphs, name)),
         input_signature=graphs.specs(name),
@@ -275,22 +275,3 @@ def _append_detokenizer(model, sentencepiece_model):
     graph.node.extend(nodes)
     graph.output.insert(0, helper.make_tensor_value_info("translation", TensorProto.STRING, ["batch"]))
     return model
-
-
-def _patch_tf2onnx():
-    """tf2onnx 1.17 still uses `np.object` etc. (removed in NumPy 2); Keras ships the fix.
-
-    `keras.src.export.tf2onnx_lib.patch_tf2onnx` is what `model.export(format="onnx")`
-    calls; it is private Keras API, so a missing one is tolerated on NumPy < 2.
-    """
-    try:
-        from keras.src.export.tf2onnx_lib import patch_tf2onnx
-    except ImportError:  # pragma: no cover - a future Keras may move it
-        if int(np.__version__.split(".")[0]) >= 2:
-            raise
-        return
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # its own `hasattr(np, "object")` probe
-        patch_tf2onnx()

@@ -38,14 +38,21 @@ from keras_transformer.training import (
     make_optimizer,
 )
 
+# The jobs that need TensorFlow (tf-text, tf.function), imported on first use.
+TENSORFLOW_NAMES = {
+    "Translator": "keras_transformer.decoding.translator",
+    "load_translator": "keras_transformer.training.run_directory",
+}
+
 
 def __getattr__(name):
-    """`Tokenizer` and `make_dataset`, imported on first use by `keras_transformer.data`."""
+    """`Tokenizer`, `make_dataset`, `Translator` and `load_translator`, imported on first use."""
     from keras_transformer import data
+    from keras_transformer.utils.lazy import lazy_attribute
 
     if name in data.TENSORFLOW_NAMES:
         return getattr(data, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return lazy_attribute(__name__, TENSORFLOW_NAMES, name)
 
 
 __all__ = [
@@ -55,7 +62,9 @@ __all__ = [
     "CorpusError",
     "Scores",
     "Tokenizer",
+    "Translator",
     "load_corpus",
+    "load_translator",
     "make_dataset",
     "score_translations",
     "Translations",

@@ -14,7 +14,9 @@
     keras-transformer --version
 
 DATASET: `synthetic` (built in), `multi30k` (downloaded into a cache, or
-`--data-dir DIR` with a local copy), `files:SRC,TGT` (aligned UTF-8 files).
+`--data-dir DIR` with a local copy), `files:SRC,TGT` (aligned UTF-8 files for
+training) or `files:train=SRC,TGT;val=SRC,TGT;test=SRC,TGT` (any of the splits:
+`evaluate --data "files:test=T.en,T.de" --split test` scores your own test set).
 Problems with the input print one line `keras-transformer: error: ...` and
 exit with status 2 (also: a directory that another process is writing, a
 corrupt checkpoint); a training run stopped by a NaN loss, and a save that the

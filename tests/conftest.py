@@ -60,7 +60,9 @@ def reverse_model():
         callbacks=[_StopAtAccuracy(0.999)],
         verbose=0,
     )
-    return types.SimpleNamespace(model=model, seconds=seconds, accuracy=accuracy, vocab=REVERSE_VOCAB)
+    return types.SimpleNamespace(
+        model=model, seconds=seconds, epochs=phase_1_epochs, accuracy=accuracy, vocab=REVERSE_VOCAB
+    )
 
 
 @pytest.fixture(scope="session")

@@ -120,7 +120,9 @@ def test_train_arguments_are_the_training_options_fields():
     # A field reused with another default: the help shows the default that parser has.
     evaluate_help = cli.build_parser()._subparsers._group_actions[0].choices["evaluate"].format_help()
     data_help = " ".join(evaluate_help.split()).split("--data DATASET ")[-1].split(" --data-dir")[0]
-    assert data_help == "synthetic | multi30k | files:SRC,TGT", data_help  # required: no default
+    assert data_help == (
+        "synthetic | multi30k | files:SRC,TGT | files:train=SRC,TGT;val=SRC,TGT;test=SRC,TGT"
+    ), data_help  # required: no default
 
 
 @pytest.mark.parametrize(
@@ -178,7 +180,7 @@ def test_console_script_prints_one_error_line_and_exits_2(tmp_path):
     ours = [line for line in completed.stderr.splitlines() if "keras-transformer" in line]
     assert ours == [
         "keras-transformer: error: Unknown dataset 'nope'; use one of "
-        "['synthetic', 'multi30k', 'files:SRC,TGT']."
+        "['synthetic', 'multi30k', 'files:SRC,TGT', 'files:train=SRC,TGT;val=SRC,TGT;test=SRC,TGT']."
     ]
     assert "Traceback" not in completed.stderr and not out.exists()
 
@@ -214,6 +216,30 @@ def test_translate_reads_stdin_and_writes_one_line_per_input(trained_run, monkey
     output = capsys.readouterr().out.splitlines()
     assert len(output) == len(lines)
     assert all(np.isfinite(float(line.rsplit("\t", 1)[1])) for line in output)
+
+
+def test_python_api_translates_and_scores_like_the_cli(trained_run, monkeypatch, capsys):
+    import io
+
+    import keras_transformer as kt
+
+    sentences = ["the dog sees the cat", "a bird eats", ""]
+    translator = kt.load_translator(trained_run, beam_size=2)
+    texts, scores = translator.translate(sentences)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("\n".join(sentences).encode() + b"\n")))
+    assert cli.main(["translate", "--model", str(trained_run), "--beam-size", "2"]) == 0
+    assert capsys.readouterr().out.splitlines() == texts
+    # The search's score is the log-likelihood of its translation over the length penalty. The
+    # empty source's translation is left out: this 3-epoch model's output for it need not
+    # tokenize back to the ids the search produced (text is what `score` takes).
+    likelihoods = translator.score(sentences, texts)
+    lengths = np.array([len(ids) + 1 for ids in translator.tokenizer.processor.encode(texts)], np.float32)
+    penalized = likelihoods / kt.decoding.policy.length_penalty(lengths, 0.6)
+    np.testing.assert_allclose(penalized[:2], scores[:2], rtol=1e-4)
+    with pytest.raises(ValueError, match="one target per source"):
+        translator.score(sentences, texts[:1])
+    averaged = kt.load_translator(trained_run / "averaged.keras", beam_size=2)
+    assert averaged.model is not translator.model and len(averaged.translate(sentences[:1])[0]) == 1
 
 
 def test_evaluate_average_and_attention(trained_run, parallel_files, capsys, tmp_path):

@@ -55,6 +55,40 @@ def test_aligned_files_are_read(tmp_path):
     assert corpus["train"] == (["one", "two", "three"], ["eins", "zwei", "drei"])
 
 
+def test_files_can_name_validation_and_test_splits(tmp_path):
+    for name, lines in (("tr", "a\nb\n"), ("dev", "c\n"), ("te", "d\ne\nf\n")):
+        (tmp_path / f"{name}.en").write_text(lines, encoding="utf-8")
+        (tmp_path / f"{name}.de").write_text(lines.upper(), encoding="utf-8")
+    pair = lambda name: f"{tmp_path / name}.en,{tmp_path / name}.de"  # noqa: E731
+    corpus = data.load_corpus(f"files:train={pair('tr')};val={pair('dev')}; test={pair('te')}")
+    assert sorted(corpus.splits) == ["test", "train", "val"]
+    assert corpus["val"] == (["c"], ["C"]) and corpus["test"] == (["d", "e", "f"], ["D", "E", "F"])
+    only_test = data.load_corpus(f"files:test={pair('te')}", source_lang="en", target_lang="de")
+    assert sorted(only_test.splits) == ["test"] and only_test.source_lang == "en"
+    with pytest.raises(data.CorpusError, match=r"has no split 'train'; it has \['test'\]"):
+        only_test["train"]
+    # The Python equivalent.
+    direct = data.Corpus.from_files(
+        train=(tmp_path / "tr.en", tmp_path / "tr.de"), test=(tmp_path / "te.en", tmp_path / "te.de")
+    )
+    assert direct["test"] == corpus["test"] and "val" not in direct.splits
+
+
+@pytest.mark.parametrize(
+    "dataset, message",
+    [
+        ("files:dev=a,b", "unknown split 'dev'; use train, val, test"),
+        ("files:train=a,b;train=c,d", "the train split is given twice"),
+        ("files:val=a", "val takes two comma-separated paths"),
+        ("files:a,b,c", "train takes two comma-separated paths"),
+        ("files:;", "names no files"),
+    ],
+)
+def test_bad_files_syntax_says_how_to_write_it(dataset, message):
+    with pytest.raises(data.CorpusError, match=message):
+        data.load_corpus(dataset)
+
+
 @pytest.mark.parametrize(
     "source, target, message",
     [

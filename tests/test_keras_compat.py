@@ -82,3 +82,15 @@ def test_distributed_fit_fixes_skip_the_symbolic_build_of_a_built_model():
     build_for_fit(model)
     model._maybe_symbolic_build(data_batch=object())  # nothing to build: the batch is not read
     assert model.logs_for_workers({"loss": 1.0}) == {"loss": 1.0}  # no multi-worker strategy
+
+
+def test_tf2onnx_patch_lets_tf2onnx_convert_on_this_numpy():
+    import tensorflow as tf
+    import tf2onnx
+
+    keras_compat.patch_tf2onnx_for_numpy2()
+    double = tf.function(lambda x: 2.0 * x)
+    model, _ = tf2onnx.convert.from_function(
+        double, input_signature=[tf.TensorSpec([None], tf.float32)], opset=17
+    )
+    assert [node.op_type for node in model.graph.node] == ["Mul"]

@@ -118,3 +118,35 @@ def test_missing_tensorflow_is_one_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorflow", None)  # `import tensorflow` raises ImportError
     with pytest.raises(tensorflow.TensorFlowMissing, match=r"^tf\.data pipelines needs TensorFlow.*\n?$"):
         tensorflow.import_tensorflow("tf.data pipelines")
+
+
+def _python_files(*folders):
+    for folder in folders:
+        for directory, _, files in os.walk(os.path.join(ROOT, folder)):
+            yield from (os.path.join(directory, name) for name in sorted(files) if name.endswith(".py"))
+
+
+def test_private_keras_names_only_in_the_compatibility_module():
+    """`keras.src` (Keras' private modules) is read in `utils/keras_compat.py` only, where each use
+    has a test that fails on a Keras upgrade that moves it."""
+    allowed = os.path.join(PACKAGE, "utils", "keras_compat.py")
+    wrong = [
+        os.path.relpath(path, ROOT)
+        for path in _python_files("keras_transformer", "export", "scripts", "tests")
+        if path != allowed and any(name.startswith("keras.src") for name in _imports(path))
+    ]
+    assert not wrong, f"keras.src imported outside utils/keras_compat.py: {wrong}"
+
+
+def test_export_uses_the_librarys_public_names_only():
+    """The exporters import no underscore name from the library (what they need is public API)."""
+    wrong = []
+    for path in _python_files("export"):
+        with open(path, encoding="utf-8") as source:
+            tree = ast.parse(source.read(), path)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("keras_transformer."):
+                private = [alias.name for alias in node.names if alias.name.startswith("_")]
+                private += [part for part in node.module.split(".") if part.startswith("_")]
+                wrong += [f"{os.path.relpath(path, ROOT)}: {node.module}.{name}" for name in private]
+    assert not wrong, wrong

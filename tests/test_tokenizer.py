@@ -123,11 +123,11 @@ def test_default_vocabulary_is_capped_to_the_built_in_corpus_but_an_explicit_one
     """`train --data synthetic` with the defaults works (the corpus supports fewer than 8000
     pieces); an explicit `--vocab-size` that is too large stays an error."""
     from keras_transformer.data.corpora import load_corpus
-    from keras_transformer.training.trainer import _train_and_validation, _train_tokenizer
+    from keras_transformer.training.trainer import _train_tokenizer
     from keras_transformer.utils.checks import UserError
 
     lines = []
-    pairs, _ = _train_and_validation(load_corpus("synthetic", None, "en", "de"), lines.append)
+    pairs, _ = load_corpus("synthetic", None, "en", "de").train_and_validation(lines.append)
     tokenizer = _train_tokenizer(pairs, None, lines.append)
     assert 8 <= tokenizer.vocab_size < 8000
     assert lines[-1] == (

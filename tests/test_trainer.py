@@ -211,8 +211,10 @@ def test_grad_accum_and_mixed_precision_train_through_the_trainer(
         verbose=0,
         **extra,
     )
+    policy = keras.config.dtype_policy().name
     result = train(options, log=lambda *_: None)
     assert result.status == "finished"
+    assert keras.config.dtype_policy().name == policy  # the caller's global policy is restored
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     entry = metrics["epochs"][0]
     assert np.isfinite(entry["loss"]) and np.isfinite(entry["val_loss"])
@@ -221,6 +223,8 @@ def test_grad_accum_and_mixed_precision_train_through_the_trainer(
 
     model = keras.saving.load_model(str(tmp_path / "run" / "model.keras"), compile=False)
     assert all(w.dtype == "float32" for w in model.weights)  # variables stay float32
+    if extra.get("mixed_precision"):
+        assert model.encoder.compute_dtype == "bfloat16"  # the mixed policy is the model's own
 
 
 def test_resume_without_vocab_size_accepts_the_stored_vocabulary():

@@ -10,12 +10,14 @@ from keras_transformer.training.fused_step import FusedOutputLossStep
 def test_tiny_preset_learns_to_reverse_sequences_with_fit(reverse_model):
     # Trained in the `reverse_model` fixture: model.fit until the held-out
     # token accuracy (teacher forcing, padding excluded) reaches 0.985.
-    print(f"reverse task: {reverse_model.seconds:.1f}s to token accuracy {reverse_model.accuracy:.4f}")
+    print(
+        f"reverse task: {reverse_model.epochs} x 50 steps ({reverse_model.seconds:.1f}s) to token "
+        f"accuracy {reverse_model.accuracy:.4f}"
+    )
     assert reverse_model.accuracy >= 0.98
-    # ~60-90 s alone on 2 cores; the bound is loose because CI machines are
-    # shared (a clean-checkout run took 91 s beside another job). Learning
-    # within the fixture's 30 x 50 steps is the real criterion (above).
-    assert reverse_model.seconds < 180
+    # Learning speed in updates, not seconds (the machine decides those): the fixture stops at
+    # 0.985 within at most 30 epochs of 50 steps; reaching it before the cap is the criterion.
+    assert reverse_model.epochs < 30
 
 
 def _fit(model, optimizer, inputs, labels, steps):

@@ -3,6 +3,7 @@ Multi30k EN-DE (downloaded into a cache, or read from a local copy).
 
     load_corpus("synthetic")
     load_corpus("files:train.src,train.tgt")
+    load_corpus("files:train=train.src,train.tgt;val=dev.src,dev.tgt;test=test.src,test.tgt")
     load_corpus("multi30k", data_dir="../shared/data/multi30k", source_lang="en", target_lang="de")
 
 A `Corpus` holds splits of (sources, targets) string lists. Every problem
@@ -24,7 +25,8 @@ import urllib.request
 from keras_transformer.data.synthetic import SyntheticLanguagePair
 from keras_transformer.utils.checks import UserError
 
-DATASETS = ("synthetic", "multi30k", "files:SRC,TGT")
+DATASETS = ("synthetic", "multi30k", "files:SRC,TGT", "files:train=SRC,TGT;val=SRC,TGT;test=SRC,TGT")
+FILE_SPLITS = ("train", "val", "test")
 SYNTHETIC_SIZES = {"train": 20000, "val": 500, "test": 500}
 MULTI30K_URL = "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/{name}.gz"
 MULTI30K_SPLITS = {"train": "train", "val": "val", "test": "test2016"}
@@ -50,6 +52,36 @@ class Corpus:
     source_lang: str = "src"
     target_lang: str = "tgt"
 
+    @classmethod
+    def from_files(cls, train=None, val=None, test=None, source_lang="src", target_lang="tgt"):
+        """A corpus read from aligned UTF-8 files: each split given is a `(source path, target
+        path)` pair (`read_parallel_files`). Training needs `train` (without `val` it holds out a
+        part of it); `evaluate` reads the split it is asked for."""
+        given = {name: paths for name, paths in (("train", train), ("val", val), ("test", test)) if paths}
+        if not given:
+            raise CorpusError("Corpus.from_files needs at least one of train, val, test.")
+        return cls(
+            {name: read_parallel_files(*paths) for name, paths in given.items()}, source_lang, target_lang
+        )
+
+    def train_and_validation(self, log=None):
+        """`(train pairs, validation pairs)` as training uses them: the `val` split, or without one
+        the last 5% of `train` (at most 1000 pairs) held out (`log`, if given, is told so)."""
+        train_pairs = self["train"]
+        if "val" in self.splits:
+            return train_pairs, self["val"]
+        sources, targets = train_pairs
+        held_out = max(1, min(1000, len(sources) // 20))
+        if len(sources) - held_out < 1:
+            raise CorpusError(f"The corpus has {len(sources)} pair(s): too few to train and validate.")
+        if log is not None:
+            log(f"No validation split given: holding out the last {held_out} pairs for validation.")
+        return (sources[:-held_out], targets[:-held_out]), (sources[-held_out:], targets[-held_out:])
+
+    def validation_pairs(self):
+        """`(sources, targets)` that training validates on (`train_and_validation`)."""
+        return self["val"] if "val" in self.splits else self.train_and_validation()[1]
+
     def __getitem__(self, name):
         if name not in self.splits:
             raise CorpusError(f"This corpus has no split {name!r}; it has {sorted(self.splits)}.")
@@ -72,11 +104,32 @@ def load_corpus(dataset, data_dir=None, source_lang="en", target_lang="de", seed
     if dataset == "multi30k":
         return _multi30k(data_dir, source_lang, target_lang)
     if dataset.startswith("files:"):
-        paths = dataset[len("files:") :].split(",")
-        if len(paths) != 2 or not all(paths):
-            raise CorpusError(f"files: takes two comma-separated paths (files:SRC,TGT); got {dataset!r}.")
-        return Corpus({"train": read_parallel_files(*paths)}, source_lang, target_lang)
+        return Corpus.from_files(**parse_files(dataset), source_lang=source_lang, target_lang=target_lang)
     raise CorpusError(f"Unknown dataset {dataset!r}; use one of {list(DATASETS)}.")
+
+
+def parse_files(dataset):
+    """`files:SRC,TGT` (a training split) or `files:train=SRC,TGT;val=SRC,TGT;test=SRC,TGT` (any of
+    the three, each once) -> `{split: (source path, target path)}`."""
+    usage = "files:SRC,TGT or files:train=SRC,TGT;val=SRC,TGT;test=SRC,TGT"
+    body = dataset[len("files:") :]
+    parts = [part.strip() for part in body.split(";") if part.strip()]
+    if len(parts) == 1 and "=" not in parts[0]:
+        parts = [f"train={parts[0]}"]
+    splits = {}
+    for part in parts:
+        name, _, paths = part.partition("=")
+        name, paths = name.strip(), [path.strip() for path in paths.split(",")]
+        if name not in FILE_SPLITS:
+            raise CorpusError(f"{dataset!r}: unknown split {name!r}; use {', '.join(FILE_SPLITS)} ({usage}).")
+        if name in splits:
+            raise CorpusError(f"{dataset!r}: the {name} split is given twice ({usage}).")
+        if len(paths) != 2 or not all(paths):
+            raise CorpusError(f"{dataset!r}: {name} takes two comma-separated paths, SRC,TGT ({usage}).")
+        splits[name] = tuple(paths)
+    if not splits:
+        raise CorpusError(f"{dataset!r} names no files; use {usage}.")
+    return splits
 
 
 def _swap(corpus):

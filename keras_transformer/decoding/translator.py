@@ -17,6 +17,26 @@ from keras_transformer.utils.tensorflow import import_tensorflow
 tf = import_tensorflow("Translator (the tf-text tokenizer in a tf.function)")
 
 
+def log_likelihood(model, source_ids, target_pieces):
+    """log p(target | source) of each pair `(batch,)` float32: the sum of the log-probabilities of
+    the target's tokens and its EOS under teacher forcing (the quantity beam search maximizes
+    before the length penalty).
+
+    Args:
+        model: a `Transformer`.
+        source_ids: int32 `(batch, len_src)`, EOS-terminated and padded (`Tokenizer.encode`).
+        target_pieces: int32 `tf.RaggedTensor` `(batch, None)`, the target's ids without BOS or
+            EOS (`Tokenizer.tokenize`), at most `max_length - 1` of them.
+    """
+    config = model.config
+    rows = target_pieces.nrows()
+    labels = tf.concat([target_pieces, tf.fill([rows, 1], config.eos_id)], axis=1).to_tensor(config.pad_id)
+    inputs = tf.concat([tf.fill([rows, 1], config.bos_id), target_pieces], axis=1).to_tensor(config.pad_id)
+    logits = tf.cast(model({"source_ids": source_ids, "target_ids": inputs}, training=False), tf.float32)
+    picked = tf.gather(tf.nn.log_softmax(logits, axis=-1), labels, batch_dims=2)  # (batch, len_tgt)
+    return tf.reduce_sum(picked * tf.cast(tf.not_equal(labels, config.pad_id), tf.float32), axis=1)
+
+
 class SentenceAttention(NamedTuple):
     """`Translator.attention`'s result.
 
@@ -74,6 +94,13 @@ class Translator:
         self._search = tf.function(
             search, input_signature=[tf.TensorSpec([None, None], tf.int32)], jit_compile=jit_compile
         )
+        self._score = tf.function(
+            lambda source_ids, pieces: log_likelihood(model, source_ids, pieces),
+            input_signature=[
+                tf.TensorSpec([None, None], tf.int32),
+                tf.RaggedTensorSpec([None, None], tf.int32, ragged_rank=1),
+            ],
+        )
 
     def encode(self, sentences):
         """Strings -> padded source ids `(batch, len_src)`, EOS-terminated, truncated to max_length."""
@@ -104,6 +131,24 @@ class Translator:
             if progress is not None:
                 progress(min(start + self.batch_size, len(order)))
         return texts, scores
+
+    def score(self, sources, targets):
+        """log p(target | source) of each pair of strings (lists of str), float32 `(n,)` in input order.
+
+        Both sides are tokenized and truncated to the model's `max_length` as in
+        training; an empty target scores its EOS alone. Higher is likelier; the
+        translations' `scores` are these divided by the length penalty.
+        """
+        sources, targets = list(sources), list(targets)
+        if len(sources) != len(targets):
+            raise ValueError(f"score needs one target per source; got {len(sources)} and {len(targets)}.")
+        scores = np.zeros(len(sources), np.float32)
+        for start in range(0, len(sources), self.batch_size):
+            batch = slice(start, start + self.batch_size)
+            pieces = self.tokenizer.tokenize(tf.constant(targets[batch], tf.string))
+            pieces = tf.cast(pieces[:, : self.max_source_length - 1], tf.int32)
+            scores[batch] = self._score(self.encode(sources[batch]), pieces).numpy()
+        return scores
 
     def attention(self, text, target=None):
         """Every attention head's weights for one sentence and a target (default: its translation).

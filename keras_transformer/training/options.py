@@ -76,7 +76,10 @@ class TrainingOptions:
 
     out: str = option(required=True, help="the run directory", metavar="DIR")
     data: str = option(
-        "synthetic", "synthetic | multi30k | files:SRC,TGT", metavar="DATASET", defines_run=True
+        "synthetic",
+        "synthetic | multi30k | files:SRC,TGT | files:train=SRC,TGT;val=SRC,TGT;test=SRC,TGT",
+        metavar="DATASET",
+        defines_run=True,
     )
     data_dir: str = option(
         help="local copy of the dataset (multi30k; default: download into the cache)", metavar="DIR"

@@ -152,6 +152,28 @@ def load_model(path):
         ) from None
 
 
+def load_translator(path, **options):
+    """The `Translator` (strings in, strings out) of a trained run, as `keras-transformer translate`
+    makes it.
+
+    Args:
+        path: a run directory (its `model.keras`) or a `.keras` file inside one
+            (e.g. `runs/NAME/averaged.keras`).
+        **options: of `Translator` (`beam_size`, `length_penalty`,
+            `max_extra_length`, `batch_size`, `jit_compile`, `cache_policy`);
+            the defaults are the CLI's (`keras_transformer.decoding.policy`).
+
+    Example:
+        translator = keras_transformer.load_translator("runs/multi30k")
+        texts, scores = translator.translate(["A dog runs on the beach."])
+        log_likelihoods = translator.score(["A dog."], ["Ein Hund."])
+    """
+    from keras_transformer.decoding.translator import Translator
+
+    run, model_path = resolve_model(path)
+    return Translator(load_model(model_path), run.tokenizer(), **options)
+
+
 def save_model(model, path):
     """`model.save(path)` atomically: a `.keras` file is complete or absent.
 

@@ -194,7 +194,7 @@ def _train(run, options, callbacks, log):
         _check_same_run(stored["options"], options)
     keras.utils.set_random_seed(options.seed)
     corpus = load_corpus(options.data, options.data_dir, options.source_lang, options.target_lang)
-    train_pairs, val_pairs = _train_and_validation(corpus, log)
+    train_pairs, val_pairs = corpus.train_and_validation(log)
     if stored is not None:
         tokenizer = run.tokenizer()
     else:
@@ -229,22 +229,28 @@ def _train(run, options, callbacks, log):
         f"{max_length} tokens dropped; {batches.info.batches} batches per epoch; "
         f"{len(val_pairs[0]):,} validation pairs."
     )
+    # The model's layers take the mixed policy when they are made; the caller's global policy is
+    # restored afterwards (a Python caller's next model is not silently mixed).
+    previous_policy = keras.config.dtype_policy()
     if options.mixed_precision:
         keras.config.set_dtype_policy(mixed_precision_policy())
-    with strategy.scope():
-        model = Transformer(config)
-        model.build()
-        compile_transformer(
-            model,
-            options.label_smoothing,
-            options.warmup_steps,
-            options.learning_rate_scale,
-            grad_accum=options.grad_accum,
-            peak_learning_rate=options.learning_rate,
-            clip_norm=options.clip_norm,
-            jit_compile=options.xla,
-        )
-        build_for_fit(model)
+    try:
+        with strategy.scope():
+            model = Transformer(config)
+            model.build()
+            compile_transformer(
+                model,
+                options.label_smoothing,
+                options.warmup_steps,
+                options.learning_rate_scale,
+                grad_accum=options.grad_accum,
+                peak_learning_rate=options.learning_rate,
+                clip_norm=options.clip_norm,
+                jit_compile=options.xla,
+            )
+            build_for_fit(model)
+    finally:
+        keras.config.set_dtype_policy(previous_policy)
     log(
         f"Model: preset {options.preset}, {model.count_params():,} parameters, "
         f"{strategy.num_replicas_in_sync} replica(s), --strategy {options.strategy}."
@@ -404,23 +410,6 @@ def _train_tokenizer(train_pairs, vocab_size, log):
             f"is {DEFAULT_VOCAB_SIZE}; --vocab-size sets it)."
         )
     return tokenizer
-
-
-def validation_pairs(corpus):
-    """`(sources, targets)` that training validates on: the corpus' val split, or its held-out tail."""
-    return _train_and_validation(corpus, lambda line: None)[1]
-
-
-def _train_and_validation(corpus, log):
-    train_pairs = corpus["train"]
-    if "val" in corpus.splits:
-        return train_pairs, corpus["val"]
-    sources, targets = train_pairs
-    held_out = max(1, min(1000, len(sources) // 20))
-    if len(sources) - held_out < 1:
-        raise UserError(f"The corpus has {len(sources)} pair(s): too few to train and validate.")
-    log(f"No validation split given: holding out the last {held_out} pairs for validation.")
-    return (sources[:-held_out], targets[:-held_out]), (sources[-held_out:], targets[-held_out:])
 
 
 def _model_config(options, vocab_size):

@@ -109,3 +109,24 @@ class DistributedFitFixes:
             name: keras.ops.reshape(value, (1,)) if len(value.shape) == 0 else value
             for name, value in logs.items()
         }
+
+
+def patch_tf2onnx_for_numpy2():
+    """tf2onnx 1.17 still uses `np.object` etc. (removed in NumPy 2); Keras ships the fix.
+
+    `keras.src.export.tf2onnx_lib.patch_tf2onnx` is what `model.export(format="onnx")`
+    calls; a missing one is tolerated on NumPy < 2 (nothing to patch there).
+    """
+    import warnings
+
+    import numpy as np
+
+    try:
+        from keras.src.export.tf2onnx_lib import patch_tf2onnx
+    except ImportError:  # pragma: no cover - a future Keras may move it
+        if int(np.__version__.split(".")[0]) >= 2:
+            raise
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # its own `hasattr(np, "object")` probe
+        patch_tf2onnx()
