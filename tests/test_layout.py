@@ -150,3 +150,25 @@ def test_export_uses_the_librarys_public_names_only():
                 private += [part for part in node.module.split(".") if part.startswith("_")]
                 wrong += [f"{os.path.relpath(path, ROOT)}: {node.module}.{name}" for name in private]
     assert not wrong, wrong
+
+
+def test_no_module_imports_the_package_root():
+    """A module inside the package imports the part it needs, never `keras_transformer` itself (the
+    root imports every part: importing it from inside runs back up the layers). The CLI's
+    `__version__` is the one name read from the root."""
+    wrong = []
+    for relative, module in _modules():
+        if module == "keras_transformer":
+            continue
+        with open(os.path.join(ROOT, relative), encoding="utf-8") as source:
+            tree = ast.parse(source.read(), relative)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import) and any(
+                alias.name == "keras_transformer" for alias in node.names
+            ):
+                wrong.append(f"{relative}:{node.lineno}")
+            elif isinstance(node, ast.ImportFrom) and node.module == "keras_transformer":
+                wrong += [
+                    f"{relative}:{node.lineno} ({a.name})" for a in node.names if a.name != "__version__"
+                ]
+    assert not wrong, wrong

@@ -140,7 +140,7 @@ def load_model(path):
     """The Keras model at `path`, loaded without its optimizer (safe mode)."""
     import keras
 
-    import keras_transformer  # noqa: F401  (registers the layers)
+    import keras_transformer.model  # noqa: F401  (registers the model and its layers)
 
     try:
         return keras.saving.load_model(os.fspath(path), compile=False, safe_mode=True)
