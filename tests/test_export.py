@@ -502,3 +502,21 @@ def test_layout_helpers(tmp_path):
     (tmp_path / "a" / f".partial-5-{os.getpid()}-abc").mkdir()
     remove_abandoned(str(tmp_path / "a"))
     assert sorted(os.listdir(tmp_path / "a")) == [f".partial-5-{os.getpid()}-abc", "3", "not-a-version"]
+
+
+def test_cache_graph_names_follow_the_decoding_cache_contract():
+    """`cache_names` (importable without TensorFlow) names `DecodingCache.flat`'s tensors in order:
+    self-attention keys/values are the graphs' `past_*` inputs and `present_*` outputs, the
+    cross-attention ones `cross_*`."""
+    from keras_transformer.layers.decoding_cache import DecodingCache
+    from keras_transformer_export import cache_names
+
+    graph_kinds = [name.replace("past_", "self_") for name in cache_names.CACHE_INPUTS]
+    assert graph_kinds == list(DecodingCache._fields)
+    assert [name.replace("present_", "self_") for name in cache_names.CACHE_OUTPUTS] == list(
+        DecodingCache._fields[:2]
+    )
+    cache = DecodingCache(*(tuple(f"{field}_{i}" for i in range(3)) for field in DecodingCache._fields))
+    names = cache_names.cache_input_names(3)
+    assert [name.replace("past_", "self_") for name in names] == cache.flat()
+    assert cache_names.past_names(3) + cache_names.cross_names(3) == names
