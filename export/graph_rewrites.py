@@ -535,23 +535,26 @@ def read_transposed_weights(model):
     for name, init in constants.items():
         if len(init.dims) == 2:
             by_shape.setdefault(tuple(init.dims), []).append(name)
+    arrays = {}  # name -> array, converted once (square weights are each other's candidates)
+
+    def array(name):
+        if name not in arrays:
+            arrays[name] = numpy_helper.to_array(constants[name])
+        return arrays[name]
+
     ranks = None
     for graph in all_graphs(main):
         for index, node in enumerate(graph.node):
             if node.op_type != "MatMul" or node.input[1] not in constants:
                 continue
-            weight = constants[node.input[1]]
-            candidates = by_shape.get(tuple(weight.dims)[::-1], [])
+            weight = node.input[1]
+            candidates = [c for c in by_shape.get(tuple(constants[weight].dims)[::-1], []) if c != weight]
             if not candidates:
                 continue
             ranks = ranks if ranks is not None else tensor_ranks(model)
             if ranks.get(node.input[0]) != 2:
                 continue  # Gemm multiplies matrices only
-            transposed = numpy_helper.to_array(weight).T
-            stored = next(
-                (c for c in candidates if np.array_equal(numpy_helper.to_array(constants[c]), transposed)),
-                None,
-            )
+            stored = next((c for c in candidates if np.array_equal(array(c), array(weight).T)), None)
             if stored is not None:
                 graph.node[index].CopyFrom(
                     helper.make_node(

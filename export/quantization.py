@@ -84,15 +84,22 @@ def quantize_embeddings(model):
     from keras_transformer_export.graph_rewrites import all_graphs, tensor_ranks
 
     main = model.graph
-    readers = {}
+    readers = {}  # value name -> [(graph, node, input position)] over all graphs
+    outputs = set()  # values that are some graph's output: kept as they are
     for graph in all_graphs(main):
+        outputs.update(output.name for output in graph.output)
         for node in graph.node:
             for position, name in enumerate(node.input):
                 readers.setdefault(name, []).append((graph, node, position))
     ranks = None
     for init in list(main.initializer):
         uses = readers.get(init.name, [])
-        if init.data_type != onnx.TensorProto.FLOAT or len(init.dims) != 2 or not uses:
+        if (
+            init.data_type != onnx.TensorProto.FLOAT
+            or len(init.dims) != 2
+            or not uses
+            or init.name in outputs
+        ):
             continue
         if not all(
             _reads_rows(node, position) or _reads_transposed(node, position) for _, node, position in uses
