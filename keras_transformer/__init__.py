@@ -3,57 +3,69 @@ al., 2017) as a Keras 3 library."""
 
 __version__ = "0.1.0"
 
-# The model core below runs on any Keras backend and does not import TensorFlow;
-# `Tokenizer` (tf-text) and `make_dataset` (tf.data) are imported on first use.
+# Every name is imported on first use (PEP 562): `import keras_transformer` imports
+# neither Keras nor TensorFlow, so the command line starts fast. The model core runs
+# on any Keras backend; the names in TENSORFLOW_NAMES need TensorFlow (tf-text, tf.data,
+# tf.function). Our classes are registered with Keras as soon as it loads, so
+# `keras.saving.load_model` reads a `.keras` file whatever the import order.
 
-from keras_transformer.data import Corpus, CorpusError, load_corpus, sequence_task
-from keras_transformer.decoding import Translations, beam_search, greedy_search
-from keras_transformer.evaluation import Scores, score_translations
-from keras_transformer.layers import (
-    ATTENTION_MODES,
-    Decoder,
-    DecoderLayer,
-    DecodingCache,
-    Dropout,
-    Encoder,
-    EncoderLayer,
-    LayerCache,
-    MultiHeadAttention,
-    PositionwiseFeedForward,
-    SinusoidalPositionalEncoding,
-    TokenEmbedding,
-    causal_mask,
-    combine_masks,
-    masked_softmax,
-    padding_mask,
-    scaled_dot_product_attention,
-    sinusoidal_table,
-)
-from keras_transformer.model import PRESETS, Transformer, TransformerConfig
-from keras_transformer.training import (
-    LabelSmoothedCrossEntropy,
-    MaskedTokenAccuracy,
-    NoamSchedule,
-    compile_transformer,
-    make_optimizer,
-)
+from keras_transformer.utils.lazy import lazy_exports, register_when_keras_loads
 
-# The jobs that need TensorFlow (tf-text, tf.function), imported on first use.
-TENSORFLOW_NAMES = {
+EXPORTS = {
+    **dict.fromkeys(["Corpus", "CorpusError", "load_corpus"], "keras_transformer.data.corpora"),
+    "sequence_task": "keras_transformer.data.toy_tasks",
+    "Tokenizer": "keras_transformer.data.tokenizer",
+    "make_dataset": "keras_transformer.data.batching",
+    **dict.fromkeys(["Translations", "beam_search", "greedy_search"], "keras_transformer.decoding.search"),
     "Translator": "keras_transformer.decoding.translator",
-    "load_translator": "keras_transformer.training.run_directory",
+    **dict.fromkeys(["Scores", "score_translations"], "keras_transformer.evaluation"),
+    **dict.fromkeys(
+        [
+            "ATTENTION_MODES",
+            "Decoder",
+            "DecoderLayer",
+            "DecodingCache",
+            "Dropout",
+            "Encoder",
+            "EncoderLayer",
+            "LayerCache",
+            "MultiHeadAttention",
+            "PositionwiseFeedForward",
+            "SinusoidalPositionalEncoding",
+            "TokenEmbedding",
+            "causal_mask",
+            "combine_masks",
+            "masked_softmax",
+            "padding_mask",
+            "scaled_dot_product_attention",
+            "sinusoidal_table",
+        ],
+        "keras_transformer.layers",
+    ),
+    **dict.fromkeys(["PRESETS", "Transformer", "TransformerConfig"], "keras_transformer.model"),
+    **dict.fromkeys(
+        [
+            "LabelSmoothedCrossEntropy",
+            "MaskedTokenAccuracy",
+            "NoamSchedule",
+            "compile_transformer",
+            "make_optimizer",
+        ],
+        "keras_transformer.training",
+    ),
+    **dict.fromkeys(["load_model", "load_translator"], "keras_transformer.training.run_directory"),
 }
+TENSORFLOW_NAMES = ("Tokenizer", "make_dataset", "Translator", "load_translator")
 
+# The modules whose classes a `.keras` file names (`keras_transformer>Transformer`, ...).
+SERIALIZABLE_MODULES = (
+    "keras_transformer.model",  # the model and every layer
+    "keras_transformer.training.losses",
+    "keras_transformer.training.schedules",
+)
 
-def __getattr__(name):
-    """`Tokenizer`, `make_dataset`, `Translator` and `load_translator`, imported on first use."""
-    from keras_transformer import data
-    from keras_transformer.utils.lazy import lazy_attribute
-
-    if name in data.TENSORFLOW_NAMES:
-        return getattr(data, name)
-    return lazy_attribute(__name__, TENSORFLOW_NAMES, name)
-
+__getattr__, __dir__ = lazy_exports(__name__, EXPORTS, TENSORFLOW_NAMES)
+register_when_keras_loads(SERIALIZABLE_MODULES)
 
 __all__ = [
     "ATTENTION_MODES",
@@ -64,6 +76,7 @@ __all__ = [
     "Tokenizer",
     "Translator",
     "load_corpus",
+    "load_model",
     "load_translator",
     "make_dataset",
     "score_translations",

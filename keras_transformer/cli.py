@@ -40,8 +40,6 @@ from keras_transformer.utils.arguments import (  # noqa: F401  (public: the expo
     positive_int,
 )
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ start-up chatter
-
 
 def _presets(args):
     from keras_transformer.model.config import PRESETS
@@ -255,7 +253,9 @@ def build_parser():
     from keras_transformer import __version__
 
     parser = _Parser(
-        prog="keras-transformer", description="The Transformer of 'Attention Is All You Need' in Keras 3."
+        prog="keras-transformer",
+        description="The Transformer of 'Attention Is All You Need' in Keras 3.",
+        epilog="TensorFlow's C++ start-up lines are hidden; KERAS_TRANSFORMER_TF_LOGS=1 shows them.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -313,10 +313,25 @@ def _plugin_commands():
     return [entry.load() for entry in sorted(entry_points(group="keras_transformer.commands"), key=str)]
 
 
+def _start_tensorflow():
+    """Imports TensorFlow (where installed) without its C++ start-up lines, and keeps its
+    later informational C++ logs off, unless KERAS_TRANSFORMER_TF_LOGS=1."""
+    import importlib.util
+
+    from keras_transformer.utils.tensorflow import SHOW_LOGS_VARIABLE, import_tensorflow_quietly
+
+    if os.environ.get(SHOW_LOGS_VARIABLE) != "1":
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if importlib.util.find_spec("tensorflow") is not None:
+        import_tensorflow_quietly("keras-transformer")
+
+
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)  # --help and usage errors end here, before TensorFlow
     from keras_transformer.utils.checks import UserError
     from keras_transformer.utils.files import StorageError
+
+    _start_tensorflow()
 
     try:
         return args.handler(args)

@@ -177,12 +177,50 @@ def test_console_script_prints_one_error_line_and_exits_2(tmp_path):
         timeout=300,
     )
     assert completed.returncode == 2
-    ours = [line for line in completed.stderr.splitlines() if "keras-transformer" in line]
-    assert ours == [
+    # Nothing else: TensorFlow's C++ start-up lines are hidden (KERAS_TRANSFORMER_TF_LOGS=1 shows them).
+    assert completed.stderr.splitlines() == [
         "keras-transformer: error: Unknown dataset 'nope'; use one of "
         "['synthetic', 'multi30k', 'files:SRC,TGT', 'files:train=SRC,TGT;val=SRC,TGT;test=SRC,TGT']."
     ]
     assert "Traceback" not in completed.stderr and not out.exists()
+
+
+@pytest.mark.parametrize(
+    "arguments", [["--help"], ["export", "--help"], ["translate"], ["train", "--epochs", "0"]]
+)
+def test_help_and_usage_errors_import_neither_keras_nor_tensorflow(arguments):
+    """`--help` and a usage error answer at once (TensorFlow alone takes seconds to import)."""
+    code = (
+        "import sys\n"
+        "from keras_transformer import cli\n"
+        "try:\n"
+        f"    cli.main({arguments!r})\n"
+        "except SystemExit as stop:\n"
+        "    status = stop.code\n"
+        "heavy = sorted({'keras', 'tensorflow', 'jax', 'torch'} & set(sys.modules))\n"
+        "print(status, heavy)\n"
+    )
+    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    status, heavy = completed.stdout.strip().splitlines()[-1].split(" ", 1)
+    assert heavy == "[]", f"{arguments} imported {heavy}"
+    assert status == ("0" if "--help" in arguments else "2"), completed.stderr
+
+
+def test_tensorflow_start_up_lines_are_recognized_and_nothing_else():
+    from keras_transformer.utils import tensorflow
+
+    hidden = [
+        "WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n",
+        "I0000 00:00:1795619388.934317    4917 port.cc:153] oneDNN custom operations are on.\n",
+        "To enable the following instructions: AVX2 AVX512F FMA, in other operations, rebuild TensorFlow\n",
+    ]
+    kept = [
+        "W0000 00:00:1795619388.93 4917 op_kernel.cc:1] a real warning\n",
+        "E0000 00:00:1795619388.93 4917 something.cc:1] a real error\n",
+        "UserWarning: a Python warning\n",
+    ]
+    assert all(tensorflow._is_start_up_line(line) for line in hidden)
+    assert not any(tensorflow._is_start_up_line(line) for line in kept)
 
 
 def test_mirrored_strategy_trains_through_the_cli(trained_run):

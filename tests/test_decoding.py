@@ -97,7 +97,7 @@ def test_trained_model_decodes_unseen_sequences_exactly(reverse_model):
     expected = _reversed_with_eos(sources)
     for result in (
         kt.greedy_search(reverse_model.model, sources),
-        reverse_model.model.translate_ids(sources),
+        kt.beam_search(reverse_model.model, sources),
     ):  # beam 4, alpha 0.6
         decoded = _strip(result.ids)
         exact = np.mean([d == e for d, e in zip(decoded, expected)])

@@ -36,10 +36,7 @@ ALLOWED["__init__"] = ALLOWED["cli"] - {"plots"}  # the public names; plots are 
 OBJECTIVE = {"losses", "schedules", "optimizer", "fused_step"}  # training modules the model core may see
 
 # Deliberate upward imports, each made at call time, with the reason.
-EXCEPTIONS = {
-    # `Transformer.translate_ids` is a convenience over `beam_search` (DESIGN.md).
-    ("keras_transformer/model/transformer.py", "decoding"),
-}
+EXCEPTIONS = set()
 
 
 def _part(module):
@@ -110,6 +107,23 @@ def test_import_does_not_import_tensorflow_on_other_backends():
     environment = dict(os.environ, KERAS_BACKEND="jax")
     result = subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("keras_first", [True, False], ids=["keras-first", "keras_transformer-first"])
+def test_keras_load_model_reads_our_files_whatever_the_import_order(keras_first, tmp_path):
+    """The package root imports nothing heavy, yet `keras.saving.load_model` finds our classes
+    (`keras_transformer>Transformer`) once Keras loads, imported before or after us."""
+    import keras_transformer as kt
+
+    path = tmp_path / "tiny.keras"
+    kt.Transformer.from_preset("tiny", vocab_size=40).save(path)
+    imports = "import keras\nimport keras_transformer\n"
+    if not keras_first:
+        imports = "import sys\nimport keras_transformer\nassert 'keras' not in sys.modules\nimport keras\n"
+    code = imports + f"model = keras.saving.load_model({str(path)!r})\nprint(type(model).__name__)\n"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["Transformer"]
 
 
 def test_missing_tensorflow_is_one_line(monkeypatch):

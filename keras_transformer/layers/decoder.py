@@ -15,7 +15,7 @@ from keras_transformer.layers.multi_head_attention import MultiHeadAttention
 from keras_transformer.layers.residual import make_norm_and_dropout, residual_block
 from keras_transformer.layers.results import split_optional, with_optional
 from keras_transformer.layers.stack import LayerArguments, TransformerStack
-from keras_transformer.utils.checks import register
+from keras_transformer.utils.registration import register
 
 
 @register

@@ -21,7 +21,8 @@ Shape legend: any `(...)`; the output has the input's shape and dtype.
 import keras
 from keras import ops
 
-from keras_transformer.utils.checks import check_rate, register
+from keras_transformer.utils.checks import check_rate
+from keras_transformer.utils.registration import register
 
 _INT32_MAX = 2**31 - 1
 

@@ -14,7 +14,8 @@ import keras
 from keras import ops
 
 from keras_transformer.layers.portable_ops import gather_rows
-from keras_transformer.utils.checks import check_positive_int, register
+from keras_transformer.utils.checks import check_positive_int
+from keras_transformer.utils.registration import register
 
 
 @register

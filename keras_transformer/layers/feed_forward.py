@@ -8,7 +8,8 @@ Shape legend: (batch, length, d_model) -> (batch, length, d_ff) -> (batch, lengt
 import keras
 
 from keras_transformer.layers.dropout import Dropout
-from keras_transformer.utils.checks import check_positive_int, check_rate, register
+from keras_transformer.utils.checks import check_positive_int, check_rate
+from keras_transformer.utils.registration import register
 
 
 @register

@@ -23,7 +23,8 @@ from keras_transformer.layers.attention import scaled_dot_product_attention
 from keras_transformer.layers.dropout import Dropout
 from keras_transformer.layers.portable_ops import write_at
 from keras_transformer.layers.results import with_optional
-from keras_transformer.utils.checks import check_choice, check_positive_int, check_rate, register
+from keras_transformer.utils.checks import check_choice, check_positive_int, check_rate
+from keras_transformer.utils.registration import register
 
 ATTENTION_MODES = ("batched", "per_head")
 

@@ -11,7 +11,8 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_transformer.utils.checks import check_positive_int, register
+from keras_transformer.utils.checks import check_positive_int
+from keras_transformer.utils.registration import register
 
 
 def sinusoidal_table(length, d_model, base=10000.0):

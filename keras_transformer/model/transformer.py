@@ -21,7 +21,8 @@ from keras_transformer.layers.masks import padding_mask
 from keras_transformer.layers.multi_head_attention import ATTENTION_MODES, MultiHeadAttention
 from keras_transformer.model.config import TransformerConfig
 from keras_transformer.utils import keras_compat
-from keras_transformer.utils.checks import check_choice, register
+from keras_transformer.utils.checks import check_choice
+from keras_transformer.utils.registration import register
 
 INPUT_KEYS = ("source_ids", "target_ids")
 _CONFIG_FIELDS = {field.name for field in dataclasses.fields(TransformerConfig)}
@@ -198,17 +199,6 @@ class Transformer(keras_compat.DistributedFitFixes, keras.Model):
         # Project the one position as a matrix `(rows, d_model)`: the exported step is then one
         # `Gemm` that reads the tied embedding as stored (keras_transformer_export.graph_rewrites).
         return self.project(hidden[:, 0]), cache
-
-    def translate_ids(self, source_ids, **search_options):
-        """Beam search (§6.1) from source ids: `keras_transformer.beam_search(self, source_ids,
-        **search_options)`, with its defaults (`keras_transformer.decoding.policy`: beam 4, α 0.6,
-        source length + 50 tokens); `beam_size=1` and `length_penalty=0` is greedy.
-
-        Returns `Translations(ids, scores, log_probs)`, as `keras_transformer.beam_search`.
-        """
-        from keras_transformer.decoding.search import beam_search
-
-        return beam_search(self, source_ids, **search_options)
 
     def project(self, hidden):
         """Decoder output `(batch, len, d_model)` (or `(rows, d_model)`) -> float32 logits `(..., vocab)`."""

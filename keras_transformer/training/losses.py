@@ -7,7 +7,8 @@ Shape legend: labels (batch, len_tgt) int; logits (batch, len_tgt, vocab).
 import keras
 from keras import ops
 
-from keras_transformer.utils.checks import check_choice, check_rate, register
+from keras_transformer.utils.checks import check_choice, check_rate
+from keras_transformer.utils.registration import register
 
 REDUCTIONS = ("mean", "sum", "none")
 

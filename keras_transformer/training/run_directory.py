@@ -137,11 +137,18 @@ def resolve_model(path):
 
 
 def load_model(path):
-    """The Keras model at `path`, loaded without its optimizer (safe mode)."""
+    """The `Transformer` saved at `path` (a `.keras` file, or a run directory: its
+    `model.keras`), loaded without its optimizer, in Keras' safe mode.
+
+    Example:
+        model = keras_transformer.load_model("runs/multi30k/averaged.keras")
+    """
     import keras
 
     import keras_transformer.model  # noqa: F401  (registers the model and its layers)
 
+    if os.path.isdir(path):
+        _, path = resolve_model(path)
     try:
         return keras.saving.load_model(os.fspath(path), compile=False, safe_mode=True)
     except (OSError, ValueError, KeyError, zipfile.BadZipFile) as error:

@@ -9,7 +9,8 @@ square root of the step number.
 import keras
 from keras import ops
 
-from keras_transformer.utils.checks import check_positive_int, register
+from keras_transformer.utils.checks import check_positive_int
+from keras_transformer.utils.registration import register
 
 
 @register

@@ -1,12 +1,8 @@
 """Argument checks with messages that say what was wrong and what is allowed,
-the `UserError` base class for problems a user must fix, and the one
-serialization registration decorator of the package."""
+and the `UserError` base class for problems a user must fix (no Keras: the
+command line reads this module before it imports anything heavy)."""
 
 import numbers
-
-import keras
-
-register = keras.saving.register_keras_serializable(package="keras_transformer")
 
 
 class UserError(ValueError):

@@ -1,15 +1,85 @@
-"""Names a package exports but imports on first use (PEP 562), for the parts that
-need TensorFlow: `import keras_transformer` on the JAX or PyTorch backend does
-not import it."""
+"""Names a package exports but imports on first use (PEP 562), and the hook that
+registers our serializable classes as soon as Keras is loaded.
+
+`import keras_transformer` imports neither Keras nor TensorFlow: the command
+line answers `--help` and usage errors without them (TensorFlow alone takes
+seconds to import), and on the JAX or PyTorch backend only the TF-only
+features (`Tokenizer`, `make_dataset`, `Translator`, ...) import TensorFlow.
+This module imports neither.
+"""
 
 import importlib
+import importlib.abc
+import importlib.util
+import sys
+import warnings
 
 
-def lazy_attribute(package, names, name):
-    """`names[name]`'s attribute `name` (imported now), or the `AttributeError` Python gives."""
-    if name not in names:
-        raise AttributeError(f"module {package!r} has no attribute {name!r}")
-    from keras_transformer.utils.tensorflow import import_tensorflow
+def lazy_exports(package, exports, tensorflow_names=()):
+    """`(__getattr__, __dir__)` for a package module that exports `exports`
+    (name -> the module that defines it), each imported on first use.
 
-    import_tensorflow(f"keras_transformer.{name}")
-    return getattr(importlib.import_module(names[name]), name)
+    Names in `tensorflow_names` import TensorFlow through `import_tensorflow`
+    first, so that where it is missing the error names the feature and the fix.
+    """
+
+    def __getattr__(name):
+        if name not in exports:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        if name in tensorflow_names:
+            from keras_transformer.utils.tensorflow import import_tensorflow
+
+            import_tensorflow(f"{package}.{name}")
+        value = getattr(importlib.import_module(exports[name]), name)
+        setattr(sys.modules[package], name, value)  # found directly from now on
+        return value
+
+    def __dir__():
+        return sorted(set(vars(sys.modules[package])) | set(exports))
+
+    return __getattr__, __dir__
+
+
+def _import_all(modules):
+    for module in modules:
+        importlib.import_module(module)
+
+
+class _AfterKerasLoads(importlib.abc.MetaPathFinder):
+    """Finds `keras` as the other finders do, and imports `modules` once it has loaded."""
+
+    def __init__(self, modules):
+        self.modules = modules
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "keras":
+            return None
+        sys.meta_path.remove(self)  # one shot: the lookup below and every later import go past us
+        spec = importlib.util.find_spec("keras")
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_register(module):
+            exec_module(module)
+            try:
+                _import_all(self.modules)
+            except Exception as error:  # never break the user's `import keras`
+                warnings.warn(
+                    f"keras_transformer could not register its layers with Keras ({error!r}); "
+                    "load models with `keras_transformer.load_model`.",
+                    stacklevel=2,
+                )
+
+        spec.loader.exec_module = exec_then_register
+        return spec
+
+
+def register_when_keras_loads(modules):
+    """Imports `modules` (those that register classes with Keras) now if Keras is loaded, else
+    right after it loads, so that `keras.saving.load_model` reads our `.keras` files whatever
+    the order of the user's imports."""
+    if "keras" in sys.modules:
+        _import_all(modules)
+    elif not any(isinstance(finder, _AfterKerasLoads) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _AfterKerasLoads(modules))
