@@ -32,6 +32,8 @@ lint: $(STAMP)
 test: $(STAMP) lint
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
+# The benchmarks, each into results/NAME.json (scripts/harness.py). Multi30k comes from
+# $MULTI30K_DIR, ../shared/data/multi30k beside the clone, or the download cache.
 bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e ".[bench]"
 	$(BIN)/python scripts/bench_attention.py
@@ -39,7 +41,7 @@ bench: $(STAMP)
 	$(BIN)/python scripts/bench_train.py
 	@if [ -e runs/multi30k/averaged.keras ]; then \
 		$(BIN)/python scripts/bench_serving.py --model runs/multi30k/averaged.keras; \
-	else echo "bench_serving: skipped (needs the recipe model: scripts/reproduce_multi30k.sh)"; fi
+	else echo "bench_serving: skipped (needs the recipe's model: scripts/reproduce_multi30k.sh)"; fi
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -15,7 +15,7 @@ again skips the variants that are there and resumes a half-trained one
 (`train --resume`), so it survives being killed.
 
     python scripts/ablate_multi30k.py [--minutes 40] [--only NAME]... [--list]
-        [--data-dir ../shared/data/multi30k] [--runs runs/ablation]
+        [--data-dir DIR] [--runs runs/ablation]
         [--json results/multi30k_ablation.json]
 """
 
@@ -26,6 +26,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import harness
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -120,13 +122,16 @@ def _pinned(core, command):
     return ["taskset", "-c", str(core), *command], environment
 
 
+def _data_dir(args):
+    return ["--data-dir", args.data_dir] if args.data_dir else []  # else: the download cache
+
+
 def _train_command(binary, name, args):
     return [
         binary,
         "train",
         *COMMON,
-        "--data-dir",
-        args.data_dir,
+        *_data_dir(args),
         *VARIANTS[name],
         "--max-minutes",
         str(args.minutes),
@@ -147,8 +152,7 @@ def _evaluate(binary, name, args, core):
             str(run / "averaged.keras"),
             "--data",
             "multi30k",
-            "--data-dir",
-            args.data_dir,
+            *_data_dir(args),
             "--split",
             "val",
             "--beam-size",
@@ -215,7 +219,7 @@ def main():
         "--only", action="append", metavar="NAME", help="a variant to run (repeatable; default: all)"
     )
     parser.add_argument("--list", action="store_true", help="print the variants and exit")
-    parser.add_argument("--data-dir", default=str(ROOT.parent / "shared" / "data" / "multi30k"))
+    harness.add_data_dir(parser)
     parser.add_argument("--runs", default=str(ROOT / "runs" / "ablation"))
     parser.add_argument("--json", default=str(ROOT / "results" / "multi30k_ablation.json"))
     args = parser.parse_args()

@@ -11,18 +11,14 @@ forward x3 for forward+backward).
     python scripts/bench_attention.py [--rounds 7] [--iterations 5] [--json PATH]
 """
 
-import argparse
-import json
-import os
-import platform
 import statistics
-import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import harness
+
+tf = harness.tensorflow()
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
 import keras_transformer as kt  # noqa: E402
 
@@ -50,16 +46,13 @@ def make_step(layer, inputs, mask, jit_compile):
 
 
 def main():
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = harness.parser(__doc__, "bench_attention")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--length", type=int, default=64)
     parser.add_argument("--d-model", type=int, default=512)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--iterations", type=int, default=5)
-    parser.add_argument("--json", default="bench_results/bench_attention.json")
     args = parser.parse_args()
 
     keras.utils.set_random_seed(0)
@@ -83,14 +76,8 @@ def main():
                 step(inputs)
             steps[(name, xla)] = step
 
-    times = {key: [] for key in steps}
-    for _ in range(args.rounds):
-        for key, step in steps.items():
-            start = time.perf_counter()
-            for _ in range(args.iterations):
-                result = step(inputs)
-            _ = result[0].numpy()
-            times[key].append((time.perf_counter() - start) / args.iterations)
+    calls = {key: (lambda step=step: step(inputs)[0].numpy()) for key, step in steps.items()}
+    times = harness.interleaved(calls, args.rounds, args.iterations)
 
     flops = attention_flops(args.batch, args.length, args.d_model)
     baseline = statistics.median(times[("keras MultiHeadAttention", False)])
@@ -112,32 +99,21 @@ def main():
         f"d_model {args.d_model}, {args.heads} heads), median of {args.rounds} rounds x "
         f"{args.iterations} steps\n"
     )
-    print(f"| {'implementation':<26} | XLA | median ms | min ms | vs Keras MHA | GFLOP/s |")
-    print(f"|{'-' * 28}|-----|-----------|--------|--------------|---------|")
-    for row in rows:
-        print(
-            f"| {row['implementation']:<26} | {'yes' if row['xla'] else 'no ':<3} | "
-            f"{row['median_ms']:9.1f} | {row['min_ms']:6.1f} | {row['speedup_vs_keras']:11.2f}x | "
-            f"{row['gflops']:7.1f} |"
-        )
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as handle:
-        json.dump(
-            dict(
-                settings=vars(args),
-                machine=dict(
-                    processor=platform.processor() or platform.machine(),
-                    cpus=os.cpu_count(),
-                    tensorflow=tf.__version__,
-                    keras=keras.__version__,
-                ),
-                flops_per_step=flops,
-                results=rows,
-            ),
-            handle,
-            indent=2,
-        )
-    print(f"\nwrote {args.json}")
+    harness.print_table(
+        ["implementation", "XLA", "median ms", "min ms", "vs Keras MHA", "GFLOP/s"],
+        [
+            [
+                row["implementation"],
+                "yes" if row["xla"] else "no",
+                f"{row['median_ms']:.1f}",
+                f"{row['min_ms']:.1f}",
+                f"{row['speedup_vs_keras']:.2f}x",
+                f"{row['gflops']:.1f}",
+            ]
+            for row in rows
+        ],
+    )
+    harness.write_report(args.json, settings=vars(args), flops_per_step=flops, results=rows)
 
 
 if __name__ == "__main__":

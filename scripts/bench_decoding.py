@@ -17,17 +17,12 @@ penalty; ours reorders only the self-attention cache.
     python scripts/bench_decoding.py [--batches 1 32] [--lengths 16 32 64] [--json PATH]
 """
 
-import argparse
-import json
-import os
-import statistics
-import time
+import harness
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+tf = harness.tensorflow()
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
 import keras_transformer as kt  # noqa: E402
 
@@ -78,18 +73,11 @@ def keras_hub(model, search, length, xla):
 
 def time_it(function, source, min_seconds, min_runs):
     function(source)  # trace / compile
-    samples, start = [], time.perf_counter()
-    while len(samples) < min_runs or time.perf_counter() - start < min_seconds:
-        t0 = time.perf_counter()
-        _ = np.asarray(function(source))
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+    return harness.median_seconds(lambda: np.asarray(function(source)), min_runs, min_seconds)
 
 
 def main():
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = harness.parser(__doc__, "bench_decoding")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--lengths", type=int, nargs="+", default=[16, 32, 64])
     parser.add_argument("--source-length", type=int, default=20)
@@ -97,7 +85,6 @@ def main():
     parser.add_argument("--min-seconds", type=float, default=2.0)
     parser.add_argument("--min-runs", type=int, default=2)
     parser.add_argument("--no-keras-hub", action="store_true")
-    parser.add_argument("--json", default="bench_results/bench_decoding.json")
     args = parser.parse_args()
 
     keras.utils.set_random_seed(0)
@@ -110,10 +97,7 @@ def main():
     ]
     if not args.no_keras_hub:
         variants.append(("keras-hub sampler, cache", dict(keras_hub=True, xla=False)))
-    rows = []
-    names = " | ".join(name for name, _ in variants)
-    print(f"| search | batch | length | {names} | cache speed-up | ours/keras-hub |")
-    print(f"|---|---|---|{'---|' * len(variants)}---|---|")
+    rows, table = [], []
     for search in ("greedy", "beam4"):
         for batch in args.batches:
             source = tf.constant(rng.integers(4, args.vocab_size, size=(batch, args.source_length)), tf.int32)
@@ -147,24 +131,11 @@ def main():
                     if "keras-hub sampler, cache" in seconds
                     else "-"
                 )
-                print(
-                    f"| {search} | {batch} | {length} | {' | '.join(cells)} | {speedup:.1f}x | {hub} |",
-                    flush=True,
-                )
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as handle:
-        json.dump(
-            dict(
-                settings=vars(args),
-                tensorflow=tf.__version__,
-                keras=keras.__version__,
-                cpus=os.cpu_count(),
-                results=rows,
-            ),
-            handle,
-            indent=2,
-        )
-    print(f"\nwrote {args.json}")
+                table.append([search, batch, length, *cells, f"{speedup:.1f}x", hub])
+                print(f"  {search} batch {batch} length {length}: {', '.join(cells)}", flush=True)
+    names = [name for name, _ in variants]
+    harness.print_table(["search", "batch", "length", *names, "cache speed-up", "ours/keras-hub"], table)
+    harness.write_report(args.json, settings=vars(args), results=rows)
 
 
 if __name__ == "__main__":

@@ -46,25 +46,19 @@ vocabulary of random logits, never reaches a beam, and every runtime decodes
 every sentence to the same length limit (source length + 50): the rows time
 identical work. BLEU means nothing there; the identity checks still hold.
 
-    python scripts/bench_serving.py [--model runs/multi30k] [--data-dir ../shared/data/multi30k]
+    python scripts/bench_serving.py [--model runs/multi30k] [--data-dir DIR]
         [--split test2016] [--single 30] [--beam-size 4] [--length-penalty 0.6]
         [--threads 2] [--random-weights base --limit 128 --single 10]
-        [--json bench_results/serving.json]
+        [--json results/bench_serving.json]
 """
 
-import argparse
-import json
 import os
-import platform
 import statistics
-import sys
 import tempfile
 import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import numpy as np  # noqa: E402
+import harness
+import numpy as np
 
 BATCH = 32
 # Pause before each timed call (not timed). After a call, a runtime's idle worker threads spin
@@ -77,7 +71,7 @@ EXACT = ("keras (fixed cache)", "saved_model", "onnx_full (before)", "onnx_full"
 
 
 def _threads(count):
-    import tensorflow as tf
+    tf = harness.tensorflow()
 
     tf.config.threading.set_intra_op_parallelism_threads(count)
     tf.config.threading.set_inter_op_parallelism_threads(1)
@@ -256,15 +250,13 @@ def random_weights_without_eos(preset, vocab_size, seed=0):
 
 
 def main():
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = harness.parser(__doc__, "bench_serving")
     parser.add_argument(
         "--model",
         default="runs/multi30k",
         help="a trained run directory or .keras file (default runs/multi30k, the recipe's)",
     )
-    parser.add_argument("--data-dir", default=os.path.join("..", "shared", "data", "multi30k"))
+    harness.add_data_dir(parser)
     parser.add_argument("--split", default="test2016")
     parser.add_argument("--single", type=int, default=30, help="sentences timed at batch 1")
     parser.add_argument("--limit", type=int, help="only the first N sentences of the split at batch 32")
@@ -277,12 +269,10 @@ def main():
         help="time a PRESET-sized model with random weights and EOS suppressed "
         "(the run's tokenizer; see above) instead of the trained weights",
     )
-    parser.add_argument("--json", default="bench_results/serving.json")
     args = parser.parse_args()
     _threads(args.threads)
 
     import sacrebleu
-    import tensorflow as tf
 
     from keras_transformer.training.run_directory import load_model, resolve_model
     from keras_transformer.utils.checks import UserError
@@ -299,11 +289,9 @@ def main():
         model = random_weights_without_eos(args.random_weights, tokenizer.vocab_size)
         model_path = f"{args.random_weights} preset, random weights, EOS suppressed"
 
-    def read(lang):
-        with open(os.path.join(args.data_dir, f"{args.split}.{lang}"), encoding="utf-8") as handle:
-            return [line.rstrip("\n") for line in handle]
-
-    sources, references = read(options["source_lang"]), read(options["target_lang"])
+    sources, references = harness.read_multi30k(
+        args.data_dir, args.split, options["source_lang"], options["target_lang"]
+    )
     if args.limit:
         sources, references = sources[: args.limit], references[: args.limit]
     single = sources[: args.single]
@@ -428,17 +416,9 @@ def main():
         "file_bytes": files,
         "loop_body_nodes": sizes["translate.onnx Loop body nodes"],
         "goals": goals,
-        "cpu_count": os.cpu_count(),
-        "machine": platform.platform(),
-        "tensorflow": tf.__version__,
-        "onnxruntime": __import__("onnxruntime").__version__,
-        "ctranslate2": __import__("ctranslate2").__version__,
         "results": results,
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w", encoding="utf-8") as handle:
-        json.dump(report, handle, indent=2)
-    print(f"\nWrote {args.json}")
+    harness.write_report(args.json, settings=vars(args), **report)
 
 
 if __name__ == "__main__":

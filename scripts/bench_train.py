@@ -49,31 +49,26 @@ the ratios of passes timed in the same round (each round times every variant
 once, in turn), which shows how much the machine's noise moves the ratio.
 
     python scripts/bench_train.py [--batches 4] [--repeats 5] [--mixed-precision]
-                                  [--json bench_results/train.json]
+                                  [--json results/bench_train.json]
 
 With `--mixed-precision` the models compute in bfloat16 (CPU) or float16 (GPU)
 with float32 weights; MFU stays relative to the float32 matmul rate.
 """
 
-import argparse
-import json
-import os
-import platform
 import time
-from pathlib import Path
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+import harness
+
+tf = harness.tensorflow()
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
 import keras_transformer as kt  # noqa: E402
 from keras_transformer.data.batching import TokenizedPairs  # noqa: E402
 from keras_transformer.training.fused_step import FusedOutputLossStep  # noqa: E402
 from keras_transformer.training.trainer import mixed_precision_policy  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 IMPLEMENTATIONS = ("ours batched", "ours per-head", "ours logits", "keras-hub")
 MODELS = {
     "small": dict(preset="small"),
@@ -228,13 +223,11 @@ def load_batches(count, batch_tokens, data_dir):
 
 
 def main():
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = harness.parser(__doc__, "bench_train")
     parser.add_argument("--batches", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batch-tokens", type=int, default=4096)
-    parser.add_argument("--data-dir", default=str(ROOT.parent / "shared" / "data" / "multi30k"))
+    harness.add_data_dir(parser)
     parser.add_argument("--models", default="small,base-2")
     parser.add_argument(
         "--implementations",
@@ -246,7 +239,6 @@ def main():
         action="store_true",
         help="mixed_float16 on a GPU, mixed_bfloat16 on CPU (as `train --mixed-precision`)",
     )
-    parser.add_argument("--json", default=str(ROOT / "bench_results" / "train.json"))
     args = parser.parse_args()
     unknown = sorted(set(args.implementations.split(",")) - set(IMPLEMENTATIONS))
     if unknown:
@@ -305,13 +297,8 @@ def main():
 
 
 def report(rows, limit_start, limit_end, target_tokens, batches, policy, args):
-    header = (
-        "| model | implementation | XLA | step (ms) | target tokens/s | vs keras-hub | "
-        "rounds | GFLOP/token | GFLOP/s | MFU |"
-    )
-    print(header)
-    print("|---" * 10 + "|")
     limit = max(limit_start, limit_end)  # the higher measurement: the conservative MFU
+    table = []
     for row in rows:
         row["mfu"] = row["gflops_per_s"] * 1e9 / limit
         hub = [
@@ -329,30 +316,45 @@ def report(rows, limit_start, limit_end, target_tokens, batches, policy, args):
         rounds = (
             f"{min(row['vs_keras_hub_rounds']):.2f}-{max(row['vs_keras_hub_rounds']):.2f}" if compared else ""
         )
-        print(
-            f"| {row['model']} | {row['implementation']} | {'yes' if row['xla'] else 'no'} | "
-            f"{row['step_ms']:.0f} | {row['target_tokens_per_s']:.0f} | "
-            f"{f'{ratio:.2f}x' if hub else '—'} | {rounds} | "
-            f"{row['flops_per_target_token'] / 1e9:.3f} | {row['gflops_per_s']:.1f} | "
-            f"{row['mfu']:.0%} |"
+        table.append(
+            [
+                row["model"],
+                row["implementation"],
+                "yes" if row["xla"] else "no",
+                f"{row['step_ms']:.0f}",
+                f"{row['target_tokens_per_s']:.0f}",
+                f"{ratio:.2f}x" if hub else "—",
+                rounds,
+                f"{row['flops_per_target_token'] / 1e9:.3f}",
+                f"{row['gflops_per_s']:.1f}",
+                f"{row['mfu']:.0%}",
+            ]
         )
-    result = dict(
+    harness.print_table(
+        [
+            "model",
+            "implementation",
+            "XLA",
+            "step (ms)",
+            "target tokens/s",
+            "vs keras-hub",
+            "rounds",
+            "GFLOP/token",
+            "GFLOP/s",
+            "MFU",
+        ],
+        table,
+    )
+    harness.write_report(
+        args.json,
+        settings=vars(args),
         rows=rows,
         matmul_gflops_start=limit_start / 1e9,
         matmul_gflops_end=limit_end / 1e9,
         batches=batches,
         target_tokens=target_tokens,
-        batch_tokens=args.batch_tokens,
-        repeats=args.repeats,
         dtype_policy=policy,
-        machine=platform.processor() or platform.machine(),
-        cpus=os.cpu_count(),
-        tensorflow=tf.__version__,
-        keras=keras.__version__,
     )
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\nJSON: {args.json}")
 
 
 if __name__ == "__main__":

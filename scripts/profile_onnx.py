@@ -5,19 +5,15 @@ in one batch of 32 with ONNX Runtime's profiling on (`--threads` intra-op
 threads), then sums the kernel times of the profile by op type and prints
 each type's share, calls per decoding step, and the nodes of the `Loop` body.
 
-    python scripts/profile_onnx.py EXPORT_DIR [--data-dir ../shared/data/multi30k]
-        [--split test2016] [--sentences 32] [--threads 2] [--json bench_results/profile_onnx.json]
+    python scripts/profile_onnx.py EXPORT_DIR [--data-dir DIR] [--split test2016]
+        [--sentences 32] [--threads 2] [--json results/profile_onnx.json]
 """
 
-import argparse
 import collections
 import json
 import os
-import sys
-from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
+import harness
 import onnx  # noqa: E402
 import onnxruntime  # noqa: E402
 
@@ -53,22 +49,20 @@ def profile(path, batches, threads, step_node):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = harness.parser(__doc__, "profile_onnx")
     parser.add_argument("export_dir")
-    parser.add_argument("--data-dir", default=os.path.join("..", "shared", "data", "multi30k"))
+    harness.add_data_dir(parser)
     parser.add_argument("--split", default="test2016")
     parser.add_argument("--source-lang", default="en")
     parser.add_argument("--sentences", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--json", default="bench_results/profile_onnx.json")
     args = parser.parse_args()
     path = os.path.join(args.export_dir, "translate.onnx")
     model = onnx.load(path)
     main_nodes, loop_nodes = count_nodes(model)
     body = next(node for node in model.graph.node if node.op_type == "Loop").attribute[0].g
     step_node = next(node.name for node in body.node if node.op_type in ("MatMul", "MatMulInteger"))
-    with open(os.path.join(args.data_dir, f"{args.split}.{args.source_lang}"), encoding="utf-8") as handle:
-        sentences = [line.rstrip("\n") for line in handle][: args.sentences]
+    sentences = harness.read_multi30k(args.data_dir, args.split, args.source_lang)[0][: args.sentences]
     translator = OnnxTranslator(args.export_dir, "full")
     report = {
         "export": args.export_dir,
@@ -88,19 +82,18 @@ def main():
             f"\n{label}: {steps} decoding steps, {calls / steps:.0f} kernel calls and "
             f"{busy / steps / 1000:.2f} ms of kernel time per step\n"
         )
-        print("| op type | share | ms per step |")
-        print("|---|---|---|")
-        for op_type, micros in sorted(totals.items(), key=lambda item: -item[1])[:15]:
-            print(f"| {op_type} | {100 * micros / busy:.1f}% | {micros / steps / 1000:.3f} |")
+        top = sorted(totals.items(), key=lambda item: -item[1])[:15]
+        harness.print_table(
+            ["op type", "share", "ms per step"],
+            [[op, f"{100 * micros / busy:.1f}%", f"{micros / steps / 1000:.3f}"] for op, micros in top],
+        )
         report[label] = {
             "steps": steps,
             "kernel_calls_per_step": calls / steps,
             "kernel_ms_per_step": busy / steps / 1000,
             "op_share_percent": {k: 100 * v / busy for k, v in totals.items()},
         }
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nWrote {args.json}")
+    harness.write_report(args.json, settings=vars(args), **report)
 
 
 if __name__ == "__main__":

@@ -10,27 +10,22 @@ kernel count, and how much of the kernel time the matrix products, the
 elementwise ops and the dropout draws take.
 
     python scripts/profile_train_step.py [--preset mini] [--batch-tokens 4096] [--steps 10]
-        [--json bench_results/profile_mini.json]
+        [--json results/profile_train_step.json]
 """
 
-import argparse
 import collections
 import glob
-import json
 import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+import harness
 
-import keras  # noqa: E402
+tf = harness.tensorflow()
+
 import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
 from bench_train import load_batches  # noqa: E402
 
 import keras_transformer as kt  # noqa: E402
@@ -136,12 +131,11 @@ def op_times(logdir):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = harness.parser(__doc__, "profile_train_step")
     parser.add_argument("--preset", default="mini")
     parser.add_argument("--batch-tokens", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--data-dir", default=str(ROOT.parent / "shared" / "data" / "multi30k"))
-    parser.add_argument("--json", default=str(ROOT / "bench_results" / "profile_train_step.json"))
+    harness.add_data_dir(parser)
     args = parser.parse_args()
 
     vocab_size, batches = load_batches(args.steps, args.batch_tokens, args.data_dir)
@@ -173,40 +167,35 @@ def main():
         f"(unprofiled), {ops_per_step:.0f} TensorFlow kernels per step, "
         f"{busy / args.steps / 1000:.0f} ms of op time per step (two threads)\n"
     )
-    print("| op group | share of op time |")
-    print("|---|---|")
-    for group, micros in sorted(grouped.items(), key=lambda item: -item[1]):
-        print(f"| {group} | {100 * micros / busy:.1f}% |")
-    print("\n| op type | ms per step | calls per step | share |")
-    print("|---|---|---|---|")
-    top = sorted(totals.items(), key=lambda item: -item[1][0])[:20]
-    for op_type, (micros, count) in top:
-        print(
-            f"| {op_type} | {micros / args.steps / 1000:.1f} | {count / args.steps:.0f} | "
-            f"{100 * micros / busy:.1f}% |"
-        )
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(
-        json.dumps(
-            {
-                "preset": args.preset,
-                "batch_tokens": args.batch_tokens,
-                "steps": args.steps,
-                "step_ms": step_seconds * 1000,
-                "ops_per_step": ops_per_step,
-                "groups_percent": {g: 100 * m / busy for g, m in grouped.items()},
-                "op_types": {
-                    k: {"ms_per_step": v[0] / args.steps / 1000, "calls_per_step": v[1] / args.steps}
-                    for k, v in totals.items()
-                },
-                "keras": keras.__version__,
-                "tensorflow": tf.__version__,
-            },
-            indent=2,
-        )
-        + "\n"
+    groups = sorted(grouped.items(), key=lambda item: -item[1])
+    harness.print_table(
+        ["op group", "share of op time"], [[group, f"{100 * micros / busy:.1f}%"] for group, micros in groups]
     )
-    print(f"\nWrote {args.json}")
+    print()
+    top = sorted(totals.items(), key=lambda item: -item[1][0])[:20]
+    harness.print_table(
+        ["op type", "ms per step", "calls per step", "share"],
+        [
+            [
+                op_type,
+                f"{micros / args.steps / 1000:.1f}",
+                f"{count / args.steps:.0f}",
+                f"{100 * micros / busy:.1f}%",
+            ]
+            for op_type, (micros, count) in top
+        ],
+    )
+    harness.write_report(
+        args.json,
+        settings=vars(args),
+        step_ms=step_seconds * 1000,
+        ops_per_step=ops_per_step,
+        groups_percent={g: 100 * m / busy for g, m in grouped.items()},
+        op_types={
+            k: {"ms_per_step": v[0] / args.steps / 1000, "calls_per_step": v[1] / args.steps}
+            for k, v in totals.items()
+        },
+    )
     return 0
 
 

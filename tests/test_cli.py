@@ -272,7 +272,7 @@ def test_python_api_translates_and_scores_like_the_cli(trained_run, monkeypatch,
     # tokenize back to the ids the search produced (text is what `score` takes).
     likelihoods = translator.score(sentences, texts)
     lengths = np.array([len(ids) + 1 for ids in translator.tokenizer.processor.encode(texts)], np.float32)
-    penalized = likelihoods / kt.decoding.policy.length_penalty(lengths, 0.6)
+    penalized = likelihoods / policy.length_penalty(lengths, 0.6)
     np.testing.assert_allclose(penalized[:2], scores[:2], rtol=1e-4)
     with pytest.raises(ValueError, match="one target per source"):
         translator.score(sentences, texts[:1])
