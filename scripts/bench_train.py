@@ -67,7 +67,7 @@ import numpy as np  # noqa: E402
 import keras_transformer as kt  # noqa: E402
 from keras_transformer.data.batching import TokenizedPairs  # noqa: E402
 from keras_transformer.training.fused_step import FusedOutputLossStep  # noqa: E402
-from keras_transformer.training.trainer import mixed_precision_policy  # noqa: E402
+from keras_transformer.training.setup import mixed_precision_policy  # noqa: E402
 
 IMPLEMENTATIONS = ("ours batched", "ours per-head", "ours logits", "keras-hub")
 MODELS = {

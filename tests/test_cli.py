@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from keras_transformer import cli
+from keras_transformer.decoding import policy
 
 TINY = ["--preset", "tiny", "--vocab-size", "300", "--batch-tokens", "1024", "--warmup-steps", "50"]
 

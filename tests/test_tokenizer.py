@@ -123,7 +123,7 @@ def test_default_vocabulary_is_capped_to_the_built_in_corpus_but_an_explicit_one
     """`train --data synthetic` with the defaults works (the corpus supports fewer than 8000
     pieces); an explicit `--vocab-size` that is too large stays an error."""
     from keras_transformer.data.corpora import load_corpus
-    from keras_transformer.training.trainer import _train_tokenizer
+    from keras_transformer.training.setup import _train_tokenizer
     from keras_transformer.utils.checks import UserError
 
     lines = []

@@ -228,7 +228,7 @@ def test_grad_accum_and_mixed_precision_train_through_the_trainer(
 
 
 def test_resume_without_vocab_size_accepts_the_stored_vocabulary():
-    from keras_transformer.training.trainer import _check_same_run, _jsonable
+    from keras_transformer.training.setup import _check_same_run, _jsonable
     from keras_transformer.utils.checks import UserError
 
     stored = _jsonable(TrainingOptions(out="r", vocab_size=8000))
@@ -238,7 +238,7 @@ def test_resume_without_vocab_size_accepts_the_stored_vocabulary():
 
 
 def test_time_budget_counts_the_time_a_resumed_run_already_spent():
-    from keras_transformer.training.trainer import TimeBudget
+    from keras_transformer.training.callbacks import TimeBudget
 
     class Model:
         stop_training = False

@@ -1,0 +1,176 @@
+"""A training run's preparation, everything before `model.fit`: the options checked
+against a resumed run's, the corpus, the shared vocabulary, the model config, the
+batches, the run directory's settings, and the compiled model under its
+distribution strategy, restored from the newest snapshot when resuming.
+
+Every input is checked (corpus, vocabulary, model config) before the run
+directory is created, so bad input leaves nothing behind.
+"""
+
+import dataclasses
+
+import keras
+import tensorflow as tf
+
+from keras_transformer.data.batching import TokenizedPairs
+from keras_transformer.data.corpora import load_corpus
+from keras_transformer.data.tokenizer import Tokenizer
+from keras_transformer.model.config import TransformerConfig
+from keras_transformer.model.transformer import Transformer
+from keras_transformer.training.checkpoints import restore_latest
+from keras_transformer.training.distribution import select_strategy, worker_index
+from keras_transformer.training.optimizer import build_for_fit, compile_transformer
+from keras_transformer.training.options import RUN_DEFINING
+from keras_transformer.utils.checks import UserError
+
+
+@dataclasses.dataclass
+class PreparedRun:
+    """What `model.fit` needs, made by `prepare_run`.
+
+    `epoch` and `step` are where training resumes (`(0, 0)` for a new run);
+    `workers` is the number of workers in the strategy (multi-worker splits each
+    batch by rows); `val_pairs` are the validation (sources, targets).
+    """
+
+    strategy: object
+    workers: int
+    model: Transformer
+    tokenizer: Tokenizer
+    batches: TokenizedPairs
+    validation: TokenizedPairs
+    val_pairs: tuple
+    epoch: int
+    step: int
+
+
+def prepare_run(run, options, log):
+    """A `PreparedRun` for `options` in `run` (locked by the caller); `UserError` for bad input."""
+    run.check_can_start(options.resume, options.overwrite)  # again, now under the lock
+    strategy = select_strategy(options.strategy)  # before any TF op (multi-worker needs that)
+    _, workers = worker_index(strategy)
+    stored = run.settings() if options.resume and run.settings_path.exists() else None
+    if stored is not None:
+        _check_same_run(stored["options"], options)
+    keras.utils.set_random_seed(options.seed)
+    corpus = load_corpus(options.data, options.data_dir, options.source_lang, options.target_lang)
+    train_pairs, val_pairs = corpus.train_and_validation(log)
+    if stored is not None:
+        tokenizer = run.tokenizer()
+    else:
+        tokenizer = _train_tokenizer(train_pairs, options.vocab_size, log)
+    config = _model_config(options, tokenizer.vocab_size)
+    max_length = min(options.max_length or config.max_length, config.max_length)
+    batches = TokenizedPairs(*train_pairs, tokenizer, options.batch_tokens, max_length, row_multiple=workers)
+    if batches.info.examples == 0:
+        raise UserError(f"No training pair fits in {max_length} tokens; raise --max-length.")
+    validation = TokenizedPairs(
+        *val_pairs, tokenizer, options.batch_tokens, config.max_length, row_multiple=workers
+    )
+
+    run.create(resume=options.resume, overwrite=options.overwrite)
+    if stored is None and run.settings_path.exists() and not options.overwrite:
+        raise UserError(
+            f"Another process started a run in {run.path} meanwhile; run the command again to resume it."
+        )
+    if stored is None:
+        tokenizer.save(run.tokenizer_path)
+        run.write_json(
+            run.settings_path,
+            {
+                "options": _jsonable(options),
+                "model": config.to_dict(),
+                "source_lang": corpus.source_lang,
+                "target_lang": corpus.target_lang,
+            },
+        )
+    log(
+        f"Training pairs: {batches.info.examples:,} kept, {batches.info.dropped:,} longer than "
+        f"{max_length} tokens dropped; {batches.info.batches} batches per epoch; "
+        f"{len(val_pairs[0]):,} validation pairs."
+    )
+    # The model's layers take the mixed policy when they are made; the caller's global policy is
+    # restored afterwards (a Python caller's next model is not silently mixed).
+    previous_policy = keras.config.dtype_policy()
+    if options.mixed_precision:
+        keras.config.set_dtype_policy(mixed_precision_policy())
+    try:
+        with strategy.scope():
+            model = Transformer(config)
+            model.build()
+            compile_transformer(
+                model,
+                options.label_smoothing,
+                options.warmup_steps,
+                options.learning_rate_scale,
+                grad_accum=options.grad_accum,
+                peak_learning_rate=options.learning_rate,
+                clip_norm=options.clip_norm,
+                jit_compile=options.xla,
+            )
+            build_for_fit(model)
+    finally:
+        keras.config.set_dtype_policy(previous_policy)
+    log(
+        f"Model: preset {options.preset}, {model.count_params():,} parameters, "
+        f"{strategy.num_replicas_in_sync} replica(s), --strategy {options.strategy}."
+    )
+    epoch, step = (
+        restore_latest(model, run.state_dir, run.checkpoints_dir, log) if stored is not None else (0, 0)
+    )
+    return PreparedRun(strategy, workers, model, tokenizer, batches, validation, val_pairs, epoch, step)
+
+
+DEFAULT_VOCAB_SIZE = 8000
+
+
+def _train_tokenizer(train_pairs, vocab_size, log):
+    """The shared vocabulary; an explicit size the corpus cannot support is an error, the default is
+    capped."""
+    texts = train_pairs[0] + train_pairs[1]
+    if vocab_size is not None:
+        return Tokenizer.train(texts, vocab_size)
+    tokenizer = Tokenizer.train(texts, DEFAULT_VOCAB_SIZE, cap_to_corpus=True)
+    if tokenizer.vocab_size < DEFAULT_VOCAB_SIZE:
+        log(
+            f"Vocabulary: {tokenizer.vocab_size} pieces, the most this corpus supports (the default "
+            f"is {DEFAULT_VOCAB_SIZE}; --vocab-size sets it)."
+        )
+    return tokenizer
+
+
+def _model_config(options, vocab_size):
+    try:
+        return TransformerConfig.from_preset(options.preset, vocab_size=vocab_size, **options.overrides)
+    except (TypeError, ValueError) as error:
+        raise UserError(f"Invalid model settings (--preset {options.preset}, --set): {error}") from None
+
+
+def mixed_precision_policy():
+    """`"mixed_float16"` where TensorFlow sees a GPU, else `"mixed_bfloat16"` (CPU)."""
+    return "mixed_float16" if tf.config.list_logical_devices("GPU") else "mixed_bfloat16"
+
+
+def _jsonable(options):
+    return {
+        key: value
+        for key, value in dataclasses.asdict(options).items()
+        if key not in ("resume", "overwrite", "verbose")
+    }
+
+
+def _check_same_run(stored, options):
+    current = _jsonable(options)
+    # No --vocab-size: the stored vocabulary is reused whatever its size (runs made
+    # before the default became "8000, capped to the corpus" stored 8000).
+    changed = [
+        key
+        for key in RUN_DEFINING
+        if stored.get(key) != current.get(key) and not (key == "vocab_size" and current.get(key) is None)
+    ]
+    if changed:
+        details = ", ".join(f"{key}: {stored.get(key)!r} -> {current.get(key)!r}" for key in changed)
+        raise UserError(
+            f"--resume with different settings than the stored run ({details}); "
+            f"use the original settings or --overwrite."
+        )
