@@ -1,0 +1,129 @@
+"""Every code block of the README and `docs/` runs, so none can rot.
+
+Each document's blocks run in order, in a workspace of their own that holds
+what the documents assume a user has:
+
+- `runs/demo`: a trained run (`make demo` makes it; here the suite's tiny run,
+  `conftest.trained_run`);
+- `data/{train,val,test}.{en,de}`: aligned text files (synthetic pairs).
+
+A ```` ```python ```` block runs in the document's namespace (the blocks of one
+document share it, as a reader's session would), a ```` ```bash ```` block in
+`bash -euo pipefail` with this environment's `keras-transformer` on the PATH,
+both with the workspace as the working directory. A ```` ```text ```` block is
+output or a listing, not code. A block that cannot run here (Docker, an
+install, hours of training) has `<!-- not run: REASON -->` on the line above
+it; the reasons are listed by `test_blocks_that_do_not_run_say_why`.
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCUMENTS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
+LANGUAGES = ("python", "bash", "text")
+FENCE = re.compile(r"^```(\S*)(.*)$")
+NOT_RUN = re.compile(r"^<!-- not run: (.+) -->$")
+
+
+def code_blocks(document):
+    """`[(line, language, code, reason not run or None)]` of a Markdown file's fenced blocks."""
+    lines = (ROOT / document).read_text(encoding="utf-8").splitlines()
+    blocks, index = [], 0
+    while index < len(lines):
+        opening = FENCE.match(lines[index])
+        if not opening:
+            index += 1
+            continue
+        end = next(i for i in range(index + 1, len(lines)) if lines[i].startswith("```"))
+        previous = next((lines[i] for i in range(index - 1, -1, -1) if lines[i].strip()), "")
+        reason = NOT_RUN.match(previous.strip())
+        code = "\n".join(lines[index + 1 : end]) + "\n"
+        blocks.append((index + 1, opening.group(1), code, reason.group(1) if reason else None))
+        index = end + 1
+    return blocks
+
+
+def test_every_block_says_its_language():
+    wrong = [
+        f"{document}:{line} ```{language}"
+        for document in DOCUMENTS
+        for line, language, _, _ in code_blocks(document)
+        if language not in LANGUAGES
+    ]
+    assert not wrong, f"a code block must be one of {LANGUAGES}: {wrong}"
+
+
+def test_blocks_that_do_not_run_say_why():
+    skipped = [
+        (f"{document}:{line}", reason)
+        for document in DOCUMENTS
+        for line, language, _, reason in code_blocks(document)
+        if reason
+    ]
+    assert all(len(reason.split()) >= 3 for _, reason in skipped), skipped
+    # Deliberately few: a block that could run here must run.
+    assert len(skipped) <= 12, skipped
+
+
+@pytest.fixture(scope="module")
+def workspace_template(trained_run, synthetic_files, tmp_path_factory):
+    """`runs/demo` and `data/` as the documents assume them."""
+    from keras_transformer.data.synthetic import SyntheticLanguagePair
+
+    template = tmp_path_factory.mktemp("docs-workspace")
+    shutil.copytree(trained_run, template / "runs" / "demo", ignore=shutil.ignore_patterns("*.lock"))
+    data = template / "data"
+    data.mkdir()
+    for path in synthetic_files:
+        shutil.copy(path, data / path.name)
+    corpus = SyntheticLanguagePair().corpus({"val": 24, "test": 24}, seed=11)
+    for split in ("val", "test"):
+        sources, targets = corpus[split]
+        (data / f"{split}.en").write_text("\n".join(sources) + "\n", encoding="utf-8")
+        (data / f"{split}.de").write_text("\n".join(targets) + "\n", encoding="utf-8")
+    return template
+
+
+def _runnable(document):
+    return [block for block in code_blocks(document) if block[1] in ("python", "bash") and not block[3]]
+
+
+@pytest.mark.parametrize("document", [d for d in DOCUMENTS if _runnable(d)])
+def test_document_code_runs(document, workspace_template, tmp_path, monkeypatch):
+    workspace = tmp_path / "workspace"
+    shutil.copytree(workspace_template, workspace)
+    monkeypatch.chdir(workspace)
+    environment = dict(
+        os.environ,
+        PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
+        TF_CPP_MIN_LOG_LEVEL="2",
+    )
+    namespace = {"__name__": f"docs:{document}"}
+    for line, language, code, _ in _runnable(document):
+        where = f"{document}:{line}"
+        if language == "python":
+            try:
+                exec(compile(code, where, "exec"), namespace)
+            except Exception as error:  # the block's place first: the traceback is the reader's
+                raise AssertionError(f"the Python block at {where} failed: {error!r}") from error
+        else:
+            completed = subprocess.run(
+                ["bash", "-euo", "pipefail", "-c", code],
+                cwd=workspace,
+                env=environment,
+                capture_output=True,
+                text=True,
+                timeout=900,
+                stdin=subprocess.DEVNULL,
+            )
+            assert completed.returncode == 0, (
+                f"the bash block at {where} exited with {completed.returncode}:\n{code}\n"
+                f"stderr:\n{completed.stderr[-3000:]}"
+            )
