@@ -127,3 +127,15 @@ def test_document_code_runs(document, workspace_template, tmp_path, monkeypatch)
                 f"the bash block at {where} exited with {completed.returncode}:\n{code}\n"
                 f"stderr:\n{completed.stderr[-3000:]}"
             )
+
+
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+
+
+@pytest.mark.parametrize("document", DOCUMENTS)
+def test_relative_links_point_at_files_that_exist(document):
+    """A link to a file of the repository (relative to the document) finds it."""
+    path = ROOT / document
+    targets = LINK.findall(path.read_text(encoding="utf-8"))
+    missing = [t for t in targets if "://" not in t and not (path.parent / t).exists()]
+    assert not missing, f"{document} links to missing files: {missing}"
