@@ -23,7 +23,8 @@ len_src, depth)`, once per sentence. The translate graphs use the growing policy
 
 Ids: 0 pad, 1 unk, 2 BOS, 3 EOS. Source ids end with EOS and are padded with
 0; `target_ids` are EOS-terminated and padded with 0 after EOS. Sources
-longer than the model's `max_length` ids are truncated to it (EOS kept last).
+longer than the model's `max_length` ids are truncated to it (EOS kept last),
+and ids outside the vocabulary read as `<unk>` (`checked_source_ids`).
 """
 
 import json
@@ -32,7 +33,7 @@ import os
 import keras
 import tensorflow as tf
 
-from keras_transformer.data.tokenizer import Tokenizer
+from keras_transformer.data.tokenizer import UNK_ID, Tokenizer
 from keras_transformer.decoding import policy
 from keras_transformer.decoding.search import beam_search
 from keras_transformer.decoding.translator import log_likelihood
@@ -142,10 +143,7 @@ class TranslationGraphs:
 
     def translate_ids(self, source_ids):
         """Source ids `(batch, len_src)` -> `{"target_ids": (batch, max_len), "scores": (batch,)}`."""
-        # An empty batch arrives as (0, 0); give it one (padding) column so the
-        # encoder's matrix products have a defined inner size. Other inputs
-        # are unchanged (0 columns added).
-        source_ids = tf.pad(source_ids, [[0, 0], [0, tf.maximum(1 - tf.shape(source_ids)[1], 0)]])
+        source_ids = self.checked_source_ids(source_ids)
         result = beam_search(
             self.model,
             source_ids,
@@ -155,6 +153,27 @@ class TranslationGraphs:
             cache_policy="growing",
         )
         return {"target_ids": result.ids, "scores": result.scores}
+
+    def checked_source_ids(self, source_ids):
+        """What `translate_ids` decodes from any int32 `(batch, len)` a client sends, by one rule
+        in every runtime (the graph does it; ONNX has no assertion op to refuse with):
+
+        - an id outside the vocabulary (negative, or >= vocab_size) is read as `<unk>`;
+        - a row longer than the model's `max_length` positions is cut to its first
+          `max_length - 1` ids plus EOS (what the text signatures do to a long sentence);
+        - an empty batch `(0, 0)` gets one padding column (the encoder's products need an
+          inner size); it decodes to an empty batch.
+        """
+        config = self.config
+        outside = tf.logical_or(source_ids < 0, source_ids >= config.vocab_size)
+        source_ids = tf.where(outside, tf.constant(UNK_ID, tf.int32), source_ids)
+        limit = config.max_length
+        lengths = tf.reduce_sum(tf.cast(tf.not_equal(source_ids, config.pad_id), tf.int32), axis=1)
+        last = tf.where(
+            (lengths > limit)[:, None], tf.constant(config.eos_id, tf.int32), source_ids[:, limit - 1 : limit]
+        )  # empty when the input is no longer than `limit - 1`
+        source_ids = tf.concat([source_ids[:, : limit - 1], last], axis=1)
+        return tf.pad(source_ids, [[0, 0], [0, tf.maximum(1 - tf.shape(source_ids)[1], 0)]])
 
     def score(self, source, target):
         """Log-likelihood log p(target | source) of each pair `(batch,)` (sum over target tokens + EOS).

@@ -222,7 +222,12 @@ class TextGraph:
         self.names = [o.name for o in self.session.get_outputs()]
 
     def __call__(self, sentences):
-        sentences = list(sentences)
+        # ONNX Runtime's Python binding takes `str` (it would turn `bytes` into "b'...'"): bytes are
+        # decoded here, invalid UTF-8 replaced by U+FFFD as the SavedModel and the CLI do. And a
+        # string reaches the graph cut at its first NUL, which the tokenizer reads as a space
+        # (`Tokenizer.tokenize`): the replacement is made here, before the cut.
+        sentences = [s.decode("utf-8", errors="replace") if isinstance(s, bytes) else s for s in sentences]
+        sentences = [s.replace("\x00", " ") for s in sentences]
         if not sentences:
             return [], np.zeros((0,), np.float32)
         outputs = dict(zip(self.names, self.session.run(None, {"text": np.array(sentences, dtype=object)})))

@@ -1,7 +1,9 @@
 """String-in/string-out SavedModel for TF Serving, with beam search inside.
 
 `export_saved_model` writes `DIR/<name>/<version>/` (TF Serving's layout,
-atomically: `keras_transformer_export.layout`) and `DIR/models.config`. The SavedModel holds
+atomically: `keras_transformer_export.layout`, with its warmup requests in
+`assets.extra/tf_serving_warmup_requests`), `DIR/models.config` and
+`DIR/batching_parameters.txt` (`keras_transformer_export.tf_serving`). The SavedModel holds
 the model's variables, the SentencePiece model (as tf-text ops, which the
 stock `tensorflow/serving` binary includes) and these signatures:
 
@@ -35,6 +37,11 @@ from keras_transformer_export.layout import (
     next_version,
     write_models_config,
 )
+from keras_transformer_export.tf_serving import (
+    warmup_requests,
+    write_batching_parameters,
+    write_warmup_requests,
+)
 
 SIGNATURES = (("serving_default", "translate_text"), ("translate_ids", "translate_ids"), ("score", "score"))
 
@@ -63,5 +70,7 @@ def export_saved_model(graphs, out_dir, name, version=None, overwrite=False):
             archive.add_endpoint(signature, graphs.function(function))
         archive.write_out(temporary, verbose=False)
         graphs.write_assets(os.path.join(temporary, "assets.extra"))  # TF Serving ignores it
+        write_warmup_requests(temporary, warmup_requests(graphs, name))
     write_models_config(out_dir)
+    write_batching_parameters(out_dir)
     return path

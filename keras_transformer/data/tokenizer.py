@@ -6,9 +6,9 @@ Special ids (the `TransformerConfig` defaults): 0 `<pad>`, 1 `<unk>`,
 2 `<s>` (BOS), 3 `</s>` (EOS).
 
 Normalization, i.e. what `detokenize(tokenize(text))` gives back
-(`Tokenizer.normalize` in Python): Unicode NFKC, then leading and trailing
-spaces removed and runs of spaces collapsed to one (other whitespace, such as
-tabs, is kept). Characters outside the vocabulary round-trip through UTF-8
+(`Tokenizer.normalize` in Python): NUL read as a space, Unicode NFKC, then
+leading and trailing spaces removed and runs of spaces collapsed to one (other
+whitespace, such as tabs, is kept). Characters outside the vocabulary round-trip through UTF-8
 byte pieces (byte fallback), so no text is lost to `<unk>`.
 
 Shape legend: strings (batch,); ids (batch, length) int32, ragged or padded.
@@ -159,7 +159,7 @@ class Tokenizer:
     @staticmethod
     def normalize(text):
         """The text that a tokenize/detokenize round trip gives back (see module docstring)."""
-        return _SPACES.sub(" ", unicodedata.normalize("NFKC", text)).strip(" ")
+        return _SPACES.sub(" ", unicodedata.normalize("NFKC", text.replace("\x00", " "))).strip(" ")
 
     def tokenize(self, strings, repair_utf8=False):
         """Strings `(batch,)` -> ragged int32 ids `(batch, (length))`, no BOS/EOS.
@@ -172,6 +172,9 @@ class Tokenizer:
             strings = tf.strings.unicode_transcode(
                 strings, "UTF-8", "UTF-8", errors="replace", replacement_char=0xFFFD
             )
+        # NUL reads as a space: ONNX Runtime's SentencePiece op (onnxruntime-extensions) ends a
+        # string at NUL, so the exported text graph would lose the rest of the sentence.
+        strings = tf.strings.regex_replace(strings, r"\x00", " ")
         return self._ops().tokenize(strings)
 
     def encode(self, strings, max_length=None, add_eos=True, pad_to_max_length=True, repair_utf8=False):
@@ -182,14 +185,18 @@ class Tokenizer:
         result is padded to `max_length` (else to its longest sentence).
         `repair_utf8`: see `tokenize`.
         """
-        ids = self.tokenize(strings, repair_utf8=repair_utf8)
+        ids, lengths = _padded(self.tokenize(strings, repair_utf8=repair_utf8))  # (batch, longest)
         if max_length is not None:
-            ids = ids[:, : max_length - (1 if add_eos else 0)]
+            keep = max_length - (1 if add_eos else 0)
+            ids, lengths = ids[:, :keep], tf.minimum(lengths, keep)
         if add_eos:
-            eos = tf.fill([ids.nrows(), 1], tf.constant(EOS_ID, tf.int32))
-            ids = tf.concat([ids, eos], axis=1)
-        shape = [None, max_length] if max_length is not None and pad_to_max_length else None
-        return ids.to_tensor(default_value=PAD_ID, shape=shape)
+            ids = tf.pad(ids, [[0, 0], [0, 1]], constant_values=PAD_ID)
+            positions = tf.range(tf.shape(ids)[1])[None, :]
+            ids = tf.where(tf.equal(positions, lengths[:, None]), tf.constant(EOS_ID, tf.int32), ids)
+        if max_length is not None and pad_to_max_length:
+            ids = tf.pad(ids, [[0, 0], [0, max_length - tf.shape(ids)[1]]], constant_values=PAD_ID)
+            ids = tf.ensure_shape(ids, [None, max_length])
+        return ids
 
     def detokenize(self, ids):
         """Ragged or padded ids -> strings; special ids are dropped."""
@@ -203,3 +210,18 @@ class Tokenizer:
         ids = tf.convert_to_tensor(ids, tf.int32)
         before_eos = tf.equal(tf.cumsum(tf.cast(tf.equal(ids, EOS_ID), tf.int32), axis=1), 0)
         return self.detokenize(tf.ragged.boolean_mask(ids, before_eos))
+
+
+def _padded(ragged):
+    """`(ids (batch, longest) padded with PAD_ID, lengths (batch,))` of ragged ids, with dense
+    ops only. tf2onnx converts `RaggedTensor.to_tensor` and ragged concatenation with a division
+    by the longest row, which fails (integer division by zero) on a batch of empty sentences;
+    this gathers each row's ids from the flat values instead."""
+    splits = tf.cast(ragged.row_splits, tf.int32)
+    starts, lengths = splits[:-1], splits[1:] - splits[:-1]
+    longest = tf.maximum(tf.reduce_max(tf.concat([lengths, [0]], axis=0)), 0)
+    positions = tf.range(longest)[None, :]
+    values = tf.concat([tf.cast(ragged.flat_values, tf.int32), [PAD_ID]], axis=0)  # PAD last
+    inside = positions < lengths[:, None]
+    index = tf.where(inside, starts[:, None] + positions, tf.shape(values)[0] - 1)
+    return tf.gather(values, index), lengths
