@@ -147,6 +147,7 @@ def runtimes(model, tokenizer, directory, args):
         n for n in onnx.load(os.path.join(onnx_dir, "translate.onnx")).graph.node if n.op_type == "Loop"
     )
     sizes["translate.onnx Loop body nodes"] = len(next(a.g for a in loop.attribute if a.name == "body").node)
+    sizes["paths"] = {"saved_model": saved, "onnx": onnx_dir}  # for the load rows (`--load`)
     return result, sizes
 
 
@@ -225,6 +226,48 @@ def _timed(translate, sentences):
     return texts, getattr(translate, "seconds", time.perf_counter() - tick)
 
 
+LOAD_THREADS = 8
+
+
+def serving_load_rows(paths, sources, args):
+    """`scripts/serving_load.py`'s report for each serving runtime (see `--load`)."""
+    import json
+    import subprocess
+    import sys
+
+    from serving_load import make_requests, run_load
+
+    from keras_transformer_export.onnx_runtime import OnnxTranslator
+    from keras_transformer_export.tf_serving import ServingSession
+
+    requests = make_requests(sources, args.load, seed=0)
+    session = ServingSession(paths["saved_model"], intra_op_threads=args.threads)
+
+    def saved_model(texts):
+        out = session.run("serving_default", text=np.array(texts, dtype=object))["translation"]
+        return [t.decode("utf-8") for t in out]
+
+    ids_graph = OnnxTranslator(paths["onnx"], "full", BATCH, args.threads)
+    rows = {}
+    rows["saved_model (session path)"] = run_load(saved_model, requests, LOAD_THREADS)
+    print("  load: saved_model", flush=True)
+    rows["onnx_full"] = run_load(lambda texts: ids_graph.translate(texts)[0], requests, LOAD_THREADS)
+    print("  load: onnx_full", flush=True)
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "serving_load.py")
+    completed = subprocess.run(
+        [sys.executable, worker, "--onnx-text", paths["onnx"], "--threads", str(LOAD_THREADS)]
+        + ["--runtime-threads", str(args.threads)],
+        input=json.dumps(requests),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    rows["onnx_text"] = json.loads(completed.stdout)
+    print("  load: onnx_text", flush=True)
+    session.close()
+    return rows
+
+
 def _texts_of(translator):
     """`translate(sentences) -> translations` of a translator whose `translate` returns (texts, scores)."""
     return lambda sentences: translator.translate(sentences)[0]
@@ -263,6 +306,14 @@ def main():
     parser.add_argument("--beam-size", type=int, default=4)
     parser.add_argument("--length-penalty", type=float, default=0.6)
     parser.add_argument("--threads", type=int, default=2, help="threads per runtime (default 2)")
+    parser.add_argument(
+        "--load",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also N requests of 1-8 sentences from 8 client threads to one session per runtime "
+        "(SavedModel through TF Serving's session path, translate.onnx, translate_text.onnx)",
+    )
     parser.add_argument(
         "--random-weights",
         metavar="PRESET",
@@ -326,6 +377,8 @@ def main():
                 for i, text in zip(batch, out):
                     texts[name][i] = text
         print("  batch 32 timed", flush=True)
+        paths = sizes.pop("paths")
+        load = serving_load_rows(paths, sources, args) if args.load else {}
 
     reference = texts["keras"]
     identical = {name: sum(a == b for a, b in zip(reference, t)) for name, t in texts.items()}
@@ -418,6 +471,34 @@ def main():
         "goals": goals,
         "results": results,
     }
+    if load:
+        print(
+            f"\nUnder load: {args.load} requests of 1-8 sentences, {LOAD_THREADS} client threads, one session:\n"
+        )
+        harness.print_table(
+            [
+                "runtime",
+                "errors",
+                "identical to alone",
+                "p50 ms",
+                "p99 ms",
+                "sentences/s",
+                "alone sentences/s",
+            ],
+            [
+                [
+                    name,
+                    r["errors"],
+                    f"{r['identical_to_alone']}/{r['requests']}",
+                    f"{r['p50_ms']:.0f}",
+                    f"{r['p99_ms']:.0f}",
+                    f"{r['sentences_per_s']:.1f}",
+                    f"{r['alone_sentences_per_s']:.1f}",
+                ]
+                for name, r in load.items()
+            ],
+        )
+        report["load"] = load
     harness.write_report(args.json, settings=vars(args), **report)
 
 

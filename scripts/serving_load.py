@@ -1,0 +1,80 @@
+"""Serving under load: one session shared by client threads, each sending requests of mixed
+lengths and batch sizes one after another (closed loop), as a server's handler threads would.
+
+`run_load(translate, requests, threads)` first sends every request alone (the reference
+outputs and the single-stream speed), then all of them from `threads` threads at once, and
+reports errors, how many responses equal the same request's response alone, latency
+percentiles and throughput. `scripts/bench_serving.py --load N` calls it for the SavedModel
+(TF Serving's session path) and `translate.onnx`, and runs this file as a worker process for
+`translate_text.onnx` (ONNX Runtime's text graph needs a process without TensorFlow):
+
+    python scripts/serving_load.py --onnx-text EXPORT_DIR [--threads 8] [--runtime-threads 2] < requests.json
+"""
+
+import argparse
+import concurrent.futures
+import json
+import sys
+import time
+
+import numpy as np
+
+
+def make_requests(sentences, count, seed=0, largest=8):
+    """`count` requests of 1 to `largest` sentences drawn from `sentences` (mixed lengths)."""
+    rng = np.random.default_rng(seed)
+    return [[str(s) for s in rng.choice(sentences, size=rng.integers(1, largest + 1))] for _ in range(count)]
+
+
+def run_load(translate, requests, threads):
+    """The load report of `translate` (a list of str -> a list of str, thread-safe)."""
+    start = time.perf_counter()
+    alone = [translate(request) for request in requests]
+    alone_seconds = time.perf_counter() - start
+
+    def timed(request):
+        tick = time.perf_counter()
+        try:
+            return translate(request), time.perf_counter() - tick, None
+        except Exception as error:  # counted, not raised: the report says how many
+            return None, time.perf_counter() - tick, repr(error)
+
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        together = list(pool.map(timed, requests))
+    seconds = time.perf_counter() - start
+    latencies = np.array([took for _, took, _ in together]) * 1000
+    sentences = sum(len(r) for r in requests)
+    errors = [error for _, _, error in together if error]
+    return {
+        "requests": len(requests),
+        "sentences": sentences,
+        "threads": threads,
+        "errors": len(errors),
+        "first_error": errors[0] if errors else None,
+        "identical_to_alone": sum(out == ref for (out, _, _), ref in zip(together, alone)),
+        "p50_ms": float(np.percentile(latencies, 50)),
+        "p99_ms": float(np.percentile(latencies, 99)),
+        "sentences_per_s": sentences / seconds,
+        "requests_per_s": len(requests) / seconds,
+        "alone_sentences_per_s": sentences / alone_seconds,
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--onnx-text", required=True, metavar="EXPORT_DIR")
+    parser.add_argument("--threads", type=int, default=8, help="client threads")
+    parser.add_argument("--runtime-threads", type=int, default=2, help="ONNX Runtime intra-op threads")
+    args = parser.parse_args()
+    from keras_transformer_export.onnx_runtime import TextGraph
+
+    graph = TextGraph(args.onnx_text, args.runtime_threads)
+    requests = json.load(sys.stdin)
+    json.dump(run_load(lambda texts: graph(texts)[0], requests, args.threads), sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
