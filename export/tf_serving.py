@@ -12,9 +12,11 @@ of the model's full length, the ids signature and the score signature.
 **Batching** (`--enable_batching --batching_parameters_file=/models/batching_parameters.txt`):
 TF Serving merges concurrent requests into one session run. The file written
 next to `models.config` (`write_batching_parameters`) holds the numbers chosen
-from `scripts/bench_serving.py --load` (docs/deployment.md says how): batches
-up to 32 sentences (where our decoder's sentences per second stop growing on
-CPU), 2 ms of waiting for a batch to fill, one batch thread per core. Only
+from `scripts/bench_serving.py --load` (docs/deployment.md, "Warmup and request
+batching"): batches of up to 32 sentences (unbatched, 8 clients got 17.8
+sentences/s from the `mini` SavedModel's session; batches of 32 gave 57.9), 2 ms
+of waiting for a batch to fill (0.1% of the median latency under that load), and
+TF Serving's default of one batch thread per core. Only
 the string signatures batch safely: TF Serving pads `translate_ids` requests of
 different lengths with their first element, not with the pad id, so send
 `translate_ids` requests padded to one length, or use `serving_default`.
