@@ -52,7 +52,8 @@ once, in turn), which shows how much the machine's noise moves the ratio.
                                   [--json results/bench_train.json]
 
 With `--mixed-precision` the models compute in bfloat16 (CPU) or float16 (GPU)
-with float32 weights; MFU stays relative to the float32 matmul rate.
+with float32 weights; `--policies float32,mixed` times both side by side in one
+run. MFU stays relative to the float32 matmul rate.
 """
 
 import time
@@ -237,14 +238,24 @@ def main():
     parser.add_argument(
         "--mixed-precision",
         action="store_true",
-        help="mixed_float16 on a GPU, mixed_bfloat16 on CPU (as `train --mixed-precision`)",
+        help="mixed_float16 on a GPU, mixed_bfloat16 on CPU (as `train --mixed-precision`); "
+        "same as --policies mixed",
+    )
+    parser.add_argument(
+        "--policies",
+        default=None,
+        help="comma-separated dtype policies timed side by side in one run: float32, mixed "
+        "(mixed_float16 on a GPU, mixed_bfloat16 on CPU); default float32",
     )
     args = parser.parse_args()
+    names = (args.policies or ("mixed" if args.mixed_precision else "float32")).split(",")
+    if set(names) - {"float32", "mixed"}:
+        parser.error(f"--policies: choose from float32, mixed; got {args.policies!r}")
     unknown = sorted(set(args.implementations.split(",")) - set(IMPLEMENTATIONS))
     if unknown:
         parser.error(f"--implementations: unknown {unknown}; choose from {list(IMPLEMENTATIONS)}")
 
-    policy = mixed_precision_policy() if args.mixed_precision else "float32"
+    policies = [mixed_precision_policy() if name == "mixed" else "float32" for name in names]
     limit_start = matmul_limit()
     print(f"Matmul limit (float32, 2048x2048): {limit_start / 1e9:.1f} GFLOP/s", flush=True)
     vocab_size, batches = load_batches(args.batches, args.batch_tokens, args.data_dir)
@@ -262,21 +273,24 @@ def main():
         settings = dict(MODELS[model_name])
         config = kt.TransformerConfig.from_preset(settings.pop("preset"), vocab_size=vocab_size, **settings)
         flops = sum(batch_flops(inputs["source_ids"], labels, config) for inputs, labels in batches)
-        keras.config.set_dtype_policy(policy)  # again after each clear_session()
         models = {}
-        for jit_compile in (False, True):
-            for implementation in args.implementations.split(","):
-                keras.utils.set_random_seed(0)
-                models[implementation, jit_compile] = build(implementation, config, jit_compile)
+        for policy in policies:
+            keras.config.set_dtype_policy(policy)  # the layers take it when they are made
+            for jit_compile in (False, True):
+                for implementation in args.implementations.split(","):
+                    keras.utils.set_random_seed(0)
+                    models[implementation, jit_compile, policy] = build(implementation, config, jit_compile)
+        keras.config.set_dtype_policy("float32")
         passes = time_passes(models, dataset(), args.repeats)
-        for (implementation, jit_compile), seconds in passes.items():
+        for (implementation, jit_compile, policy), seconds in passes.items():
             step = float(np.median(seconds)) / len(batches)
             row = dict(
                 model=model_name,
                 implementation=implementation,
                 xla=jit_compile,
-                parameters=models[implementation, jit_compile].count_params(),
-                compute_dtype=models[implementation, jit_compile].compute_dtype,
+                dtype_policy=policy,
+                parameters=models[implementation, jit_compile, policy].count_params(),
+                compute_dtype=models[implementation, jit_compile, policy].compute_dtype,
                 step_ms=step * 1e3,
                 step_ms_passes=[s / len(batches) * 1e3 for s in seconds],
                 target_tokens_per_s=target_tokens / len(batches) / step,
@@ -285,7 +299,7 @@ def main():
             )
             rows.append(row)
             print(
-                f"  {model_name:<7} {implementation:<14} xla={jit_compile!s:<5} "
+                f"  {model_name:<7} {implementation:<14} xla={jit_compile!s:<5} {policy:<14} "
                 f"{row['step_ms']:8.1f} ms/step {row['target_tokens_per_s']:8.0f} tok/s",
                 flush=True,
             )  # MFU in the final table, against both matmul measurements
@@ -293,10 +307,10 @@ def main():
         keras.backend.clear_session()
     limit_end = matmul_limit()
     print(f"Matmul limit at the end: {limit_end / 1e9:.1f} GFLOP/s\n")
-    report(rows, limit_start, limit_end, target_tokens, len(batches), policy, args)
+    report(rows, limit_start, limit_end, target_tokens, len(batches), policies, args)
 
 
-def report(rows, limit_start, limit_end, target_tokens, batches, policy, args):
+def report(rows, limit_start, limit_end, target_tokens, batches, policies, args):
     limit = max(limit_start, limit_end)  # the higher measurement: the conservative MFU
     table = []
     for row in rows:
@@ -304,7 +318,8 @@ def report(rows, limit_start, limit_end, target_tokens, batches, policy, args):
         hub = [
             r
             for r in rows
-            if (r["model"], r["xla"], r["implementation"]) == (row["model"], row["xla"], "keras-hub")
+            if (r["model"], r["xla"], r["dtype_policy"], r["implementation"])
+            == (row["model"], row["xla"], row["dtype_policy"], "keras-hub")
         ]
         ratio = row["target_tokens_per_s"] / hub[0]["target_tokens_per_s"] if hub else float("nan")
         row["vs_keras_hub"] = ratio
@@ -321,6 +336,7 @@ def report(rows, limit_start, limit_end, target_tokens, batches, policy, args):
                 row["model"],
                 row["implementation"],
                 "yes" if row["xla"] else "no",
+                row["dtype_policy"],
                 f"{row['step_ms']:.0f}",
                 f"{row['target_tokens_per_s']:.0f}",
                 f"{ratio:.2f}x" if hub else "—",
@@ -335,6 +351,7 @@ def report(rows, limit_start, limit_end, target_tokens, batches, policy, args):
             "model",
             "implementation",
             "XLA",
+            "policy",
             "step (ms)",
             "target tokens/s",
             "vs keras-hub",
@@ -353,7 +370,7 @@ def report(rows, limit_start, limit_end, target_tokens, batches, policy, args):
         matmul_gflops_end=limit_end / 1e9,
         batches=batches,
         target_tokens=target_tokens,
-        dtype_policy=policy,
+        dtype_policies=policies,
     )
 
 
