@@ -252,8 +252,9 @@ def test_empty_ids_batch_gives_an_empty_batch(bad_ids, session, onnx_results):
     for case in ("batch_of_0", "batch_of_0_with_columns"):
         assert session.run("translate_ids", source_ids=bad_ids[case])["target_ids"].shape[0] == 0
     # A bare ONNX Runtime session refuses an empty batch with an error (the graph's reshapes
-    # need a batch >= 1); the driver (`FullGraphSearch`) answers it without running the graph.
-    assert onnx_results["raw_empty_batch"] in ("ok", "Fail", "RuntimeException", "InvalidArgument")
+    # need a batch >= 1, docs/deployment.md says so); the driver (`FullGraphSearch`) answers it
+    # without running the graph. Should ONNX Runtime start accepting it, the docs need changing.
+    assert onnx_results["raw_empty_batch"] != "ok"
 
 
 def test_onnx_sessions_under_load_answer_as_alone(onnx_results):

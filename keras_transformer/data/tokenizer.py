@@ -219,7 +219,7 @@ def _padded(ragged):
     this gathers each row's ids from the flat values instead."""
     splits = tf.cast(ragged.row_splits, tf.int32)
     starts, lengths = splits[:-1], splits[1:] - splits[:-1]
-    longest = tf.maximum(tf.reduce_max(tf.concat([lengths, [0]], axis=0)), 0)
+    longest = tf.reduce_max(tf.concat([lengths, [0]], axis=0))  # 0 for a batch of none
     positions = tf.range(longest)[None, :]
     values = tf.concat([tf.cast(ragged.flat_values, tf.int32), [PAD_ID]], axis=0)  # PAD last
     inside = positions < lengths[:, None]
