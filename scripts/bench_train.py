@@ -49,16 +49,33 @@ the ratios of passes timed in the same round (each round times every variant
 once, in turn), which shows how much the machine's noise moves the ratio.
 
     python scripts/bench_train.py [--batches 4] [--repeats 5] [--mixed-precision]
-                                  [--json results/bench_train.json]
+                                  [--baseline REF] [--json results/bench_train.json]
+
+`--baseline REF` (a commit, tag or branch) adds "ours batched @REF": the same
+model built by that commit's library, each (XLA, policy) variant in a worker
+process of its own that imports REF's tree (extracted with `git archive`); the
+workers take their turns in the same rounds as the in-process variants, so the
+old and new step are timed side by side in one run ("vs baseline" in the table).
 
 With `--mixed-precision` the models compute in bfloat16 (CPU) or float16 (GPU)
 with float32 weights; `--policies float32,mixed` times both side by side in one
 run. MFU stays relative to the float32 matmul rate.
 """
 
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import harness
+
+BASELINE_TREE = "BENCH_TRAIN_LIBRARY_TREE"  # set in a baseline worker: import the library from here
+if os.environ.get(BASELINE_TREE):
+    sys.path.insert(0, os.environ[BASELINE_TREE])
 
 tf = harness.tensorflow()
 
@@ -185,6 +202,90 @@ class StepTimer(keras.callbacks.Callback):
         self.steps.append(time.perf_counter() - self.start)
 
 
+def timed_pass(model, dataset):
+    """Seconds of the training steps of one pass of `fit` over `dataset`."""
+    timer = StepTimer()
+    model.fit(dataset, epochs=1, verbose=0, shuffle=False, callbacks=[timer])
+    return sum(timer.steps)
+
+
+class BaselineWorker:
+    """One "ours batched" variant built by another commit's library, in a process of its own.
+
+    The process (this script with `--worker`) imports the library from `tree`,
+    builds the model on the batches saved in `batches_path`, trains its untimed
+    pass, and then times one pass each time it is asked, so that its passes
+    interleave with the in-process variants'.
+    """
+
+    def __init__(self, tree, batches_path, model_name, vocab_size, jit_compile, policy):
+        spec = dict(
+            batches=str(batches_path), model=model_name, vocab_size=vocab_size, xla=jit_compile, policy=policy
+        )
+        self.process = subprocess.Popen(
+            [sys.executable, __file__, "--worker", json.dumps(spec)],
+            env={**os.environ, BASELINE_TREE: str(tree)},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.info = self._answer()  # after the untimed pass: parameters, compute dtype, library path
+
+    def _answer(self):
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(
+                f"the baseline worker stopped (exit code {self.process.wait()}); see its stderr above"
+            )
+        return json.loads(line)
+
+    def timed_pass(self):
+        self.process.stdin.write("pass\n")
+        self.process.stdin.flush()
+        return self._answer()["seconds"]
+
+    def close(self):
+        self.process.stdin.close()
+        self.process.wait()
+
+
+def serve_worker(spec):
+    """The `--worker` side of `BaselineWorker`: one JSON line per request on stdout."""
+    spec = json.loads(spec)
+    saved = np.load(spec["batches"])
+    dataset = tf.data.Dataset.from_tensor_slices(
+        ({key: saved[key] for key in ("source_ids", "target_ids")}, saved["labels"])
+    ).cache()
+    settings = dict(MODELS[spec["model"]])
+    config = kt.TransformerConfig.from_preset(
+        settings.pop("preset"), vocab_size=spec["vocab_size"], **settings
+    )
+    policy = mixed_precision_policy() if spec["policy"] != "float32" else "float32"
+    keras.config.set_dtype_policy(policy)
+    keras.utils.set_random_seed(0)
+    model = build("ours batched", config, spec["xla"])
+    keras.config.set_dtype_policy("float32")
+    model.fit(dataset, epochs=1, verbose=0, shuffle=False)
+    info = dict(parameters=model.count_params(), compute_dtype=model.compute_dtype, library=kt.__file__)
+    print(json.dumps(info), flush=True)
+    for _ in sys.stdin:
+        print(json.dumps(dict(seconds=timed_pass(model, dataset))), flush=True)
+
+
+def extract_tree(ref, into):
+    """The library and scripts of commit `ref`, extracted into the directory `into`."""
+    archive = subprocess.run(
+        ["git", "-C", str(harness.ROOT), "archive", ref, "keras_transformer"], capture_output=True, check=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return subprocess.run(
+        ["git", "-C", str(harness.ROOT), "rev-parse", "--short", ref],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+
+
 def time_passes(models, dataset, repeats):
     """Seconds of training steps per pass over `dataset` for each model, `repeats` passes each.
 
@@ -197,13 +298,13 @@ def time_passes(models, dataset, repeats):
     the steps' speed.
     """
     for model in models.values():
-        model.fit(dataset, epochs=1, verbose=0, shuffle=False)
+        if not isinstance(model, BaselineWorker):  # a worker trained its untimed pass at start
+            model.fit(dataset, epochs=1, verbose=0, shuffle=False)
     passes = {key: [] for key in models}
     for _ in range(repeats):
         for key, model in models.items():
-            timer = StepTimer()
-            model.fit(dataset, epochs=1, verbose=0, shuffle=False, callbacks=[timer])
-            passes[key].append(sum(timer.steps))
+            seconds = model.timed_pass() if isinstance(model, BaselineWorker) else timed_pass(model, dataset)
+            passes[key].append(seconds)
     return passes
 
 
@@ -247,7 +348,15 @@ def main():
         help="comma-separated dtype policies timed side by side in one run: float32, mixed "
         "(mixed_float16 on a GPU, mixed_bfloat16 on CPU); default float32",
     )
+    parser.add_argument(
+        "--baseline",
+        metavar="REF",
+        help='also time "ours batched" as commit REF builds it, side by side (see above)',
+    )
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # a baseline worker's spec (internal)
     args = parser.parse_args()
+    if args.worker:
+        return serve_worker(args.worker)
     names = (args.policies or ("mixed" if args.mixed_precision else "float32")).split(",")
     if set(names) - {"float32", "mixed"}:
         parser.error(f"--policies: choose from float32, mixed; got {args.policies!r}")
@@ -268,6 +377,19 @@ def main():
         )
         return tf.data.Dataset.from_tensor_slices(stacked).cache()
 
+    scratch = tempfile.TemporaryDirectory(prefix="bench_train_")
+    baseline = None
+    if args.baseline:
+        tree = Path(scratch.name) / "baseline"
+        tree.mkdir()
+        baseline = f"ours batched @{extract_tree(args.baseline, tree)}"
+        batches_path = Path(scratch.name) / "batches.npz"
+        np.savez(
+            batches_path,
+            **{key: np.stack([inputs[key] for inputs, _ in batches]) for key in ("source_ids", "target_ids")},
+            labels=np.stack([labels for _, labels in batches]),
+        )
+
     rows = []
     for model_name in args.models.split(","):
         settings = dict(MODELS[model_name])
@@ -281,16 +403,24 @@ def main():
                     keras.utils.set_random_seed(0)
                     models[implementation, jit_compile, policy] = build(implementation, config, jit_compile)
         keras.config.set_dtype_policy("float32")
+        if baseline:
+            for policy in policies:
+                for jit_compile in (False, True):
+                    models[baseline, jit_compile, policy] = BaselineWorker(
+                        tree, batches_path, model_name, vocab_size, jit_compile, policy
+                    )
         passes = time_passes(models, dataset(), args.repeats)
         for (implementation, jit_compile, policy), seconds in passes.items():
             step = float(np.median(seconds)) / len(batches)
+            model = models[implementation, jit_compile, policy]
+            info = model.info if isinstance(model, BaselineWorker) else None
             row = dict(
                 model=model_name,
                 implementation=implementation,
                 xla=jit_compile,
                 dtype_policy=policy,
-                parameters=models[implementation, jit_compile, policy].count_params(),
-                compute_dtype=models[implementation, jit_compile, policy].compute_dtype,
+                parameters=info["parameters"] if info else model.count_params(),
+                compute_dtype=info["compute_dtype"] if info else model.compute_dtype,
                 step_ms=step * 1e3,
                 step_ms_passes=[s / len(batches) * 1e3 for s in seconds],
                 target_tokens_per_s=target_tokens / len(batches) / step,
@@ -303,34 +433,45 @@ def main():
                 f"{row['step_ms']:8.1f} ms/step {row['target_tokens_per_s']:8.0f} tok/s",
                 flush=True,
             )  # MFU in the final table, against both matmul measurements
+        for model in models.values():
+            if isinstance(model, BaselineWorker):
+                model.close()
         del models
         keras.backend.clear_session()
+    scratch.cleanup()
     limit_end = matmul_limit()
     print(f"Matmul limit at the end: {limit_end / 1e9:.1f} GFLOP/s\n")
-    report(rows, limit_start, limit_end, target_tokens, len(batches), policies, args)
+    report(rows, limit_start, limit_end, target_tokens, len(batches), policies, args, baseline)
 
 
-def report(rows, limit_start, limit_end, target_tokens, batches, policies, args):
+def same_variant_ratios(row, rows, implementation):
+    """`(ratio, per-round ratios)` of `row`'s speed to `implementation`'s at the same model,
+    XLA and policy (None where that implementation was not timed or is `row` itself)."""
+    other = [
+        r
+        for r in rows
+        if (r["model"], r["xla"], r["dtype_policy"], r["implementation"])
+        == (row["model"], row["xla"], row["dtype_policy"], implementation)
+    ]
+    if not other or row["implementation"] == implementation:
+        return None, []
+    ratio = row["target_tokens_per_s"] / other[0]["target_tokens_per_s"]
+    # Same-round ratios: the other's pass i over this variant's pass i (timed in one round).
+    return ratio, [o / r for o, r in zip(other[0]["step_ms_passes"], row["step_ms_passes"])]
+
+
+def report(rows, limit_start, limit_end, target_tokens, batches, policies, args, baseline=None):
     limit = max(limit_start, limit_end)  # the higher measurement: the conservative MFU
     table = []
     for row in rows:
         row["mfu"] = row["gflops_per_s"] * 1e9 / limit
-        hub = [
-            r
-            for r in rows
-            if (r["model"], r["xla"], r["dtype_policy"], r["implementation"])
-            == (row["model"], row["xla"], row["dtype_policy"], "keras-hub")
-        ]
-        ratio = row["target_tokens_per_s"] / hub[0]["target_tokens_per_s"] if hub else float("nan")
-        row["vs_keras_hub"] = ratio
-        # Same-round ratios: keras-hub's pass i over this variant's pass i (timed in one round).
-        compared = hub and row["implementation"] != "keras-hub"
-        row["vs_keras_hub_rounds"] = (
-            [h / o for h, o in zip(hub[0]["step_ms_passes"], row["step_ms_passes"])] if compared else []
-        )
-        rounds = (
-            f"{min(row['vs_keras_hub_rounds']):.2f}-{max(row['vs_keras_hub_rounds']):.2f}" if compared else ""
-        )
+        row["vs_keras_hub"], row["vs_keras_hub_rounds"] = same_variant_ratios(row, rows, "keras-hub")
+        row["vs_baseline"], row["vs_baseline_rounds"] = same_variant_ratios(row, rows, baseline)
+
+        def ratio_cells(ratio, rounds):
+            span = f"{min(rounds):.2f}-{max(rounds):.2f}" if rounds else ""
+            return [f"{ratio:.2f}x" if ratio else "—", span]
+
         table.append(
             [
                 row["model"],
@@ -339,8 +480,8 @@ def report(rows, limit_start, limit_end, target_tokens, batches, policies, args)
                 row["dtype_policy"],
                 f"{row['step_ms']:.0f}",
                 f"{row['target_tokens_per_s']:.0f}",
-                f"{ratio:.2f}x" if hub else "—",
-                rounds,
+                *ratio_cells(row["vs_keras_hub"], row["vs_keras_hub_rounds"]),
+                *(ratio_cells(row["vs_baseline"], row["vs_baseline_rounds"]) if baseline else []),
                 f"{row['flops_per_target_token'] / 1e9:.3f}",
                 f"{row['gflops_per_s']:.1f}",
                 f"{row['mfu']:.0%}",
@@ -356,6 +497,7 @@ def report(rows, limit_start, limit_end, target_tokens, batches, policies, args)
             "target tokens/s",
             "vs keras-hub",
             "rounds",
+            *(["vs baseline", "rounds"] if baseline else []),
             "GFLOP/token",
             "GFLOP/s",
             "MFU",
@@ -371,6 +513,7 @@ def report(rows, limit_start, limit_end, target_tokens, batches, policies, args)
         batches=batches,
         target_tokens=target_tokens,
         dtype_policies=policies,
+        baseline=baseline,
     )
 
 

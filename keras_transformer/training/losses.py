@@ -140,9 +140,16 @@ def projected_smoothed_cross_entropy(
     def loss_sums(hidden, kernel, *extra):
         sorted_hidden = sort_and_pad(hidden)
         kernel_t = ops.transpose(kernel)  # (d_model, vocab), once for all chunks
+        vocab = ops.shape(kernel)[0]
+        # mean_k z_k = h . mean_k(W_k) + mean(b): the smoothing term without a (chunk, vocab) pass.
+        mean_kernel = ops.mean(kernel, axis=0)
+        mean_bias = ops.mean(extra[0]) if extra else 0.0
 
         def add_chunk(chunk, state):
-            loss_sum, correct_sum, d_hidden, d_kernel, d_bias = state
+            """One chunk's sums and gradients in five passes over its `(chunk, vocab)` logits: the
+            row maximum, `exp(z - max)`, its row sum, and `w softmax(z) - w ε / V` (two). The
+            target's `-w (1 - ε)` at each label is added after the loop, outside the logits."""
+            loss_sum, correct_sum, d_hidden, d_kernel_t, d_bias = state
             start = chunk * chunk_size
             hidden_chunk = ops.slice(sorted_hidden, (start, 0), (chunk_size, width))
             chunk_labels = ops.slice(sorted_labels, (start,), (chunk_size,))
@@ -150,11 +157,20 @@ def projected_smoothed_cross_entropy(
             logits = ops.matmul(hidden_chunk, kernel_t)  # (chunk, vocab)
             if extra:
                 logits = logits + extra[0]
-            losses, log_normalizer, label_logits = _smoothed_losses(chunk_labels, logits, label_smoothing)
-            hits = ops.cast(label_logits >= ops.max(logits, axis=-1), "float32")
-            d_logits = _smoothed_loss_gradient(
-                chunk_labels, logits, log_normalizer, label_smoothing
-            ) * ops.expand_dims(chunk_weights, axis=-1)
+            row_max = ops.max(logits, axis=-1)
+            exps = ops.exp(logits - ops.expand_dims(row_max, axis=-1))
+            row_sum = ops.sum(exps, axis=-1)
+            label_logits = _label_logit(chunk_labels, logits)
+            losses = row_max + ops.log(row_sum) - (1.0 - label_smoothing) * label_logits
+            if label_smoothing:
+                mean_logits = ops.squeeze(ops.matmul(hidden_chunk, ops.expand_dims(mean_kernel, -1)), -1)
+                losses = losses - label_smoothing * (mean_logits + mean_bias)
+            hits = ops.cast(label_logits >= row_max, "float32")
+            # w (softmax(z) - ε / V): the smoothed target q = (1 - ε) onehot(y) + ε / V without its one-hot.
+            d_logits = exps * ops.expand_dims(chunk_weights / row_sum, axis=-1)
+            if label_smoothing:
+                uniform = chunk_weights * (label_smoothing / ops.cast(vocab, "float32"))
+                d_logits = d_logits - ops.expand_dims(uniform, axis=-1)
             d_hidden = ops.slice_update(d_hidden, (start, 0), ops.matmul(d_logits, kernel))
             if extra:  # no bias, no (chunk, vocab) reduction for its gradient
                 d_bias = d_bias + ops.sum(d_logits, axis=0)
@@ -162,7 +178,7 @@ def projected_smoothed_cross_entropy(
                 loss_sum + ops.sum(losses * chunk_weights),
                 correct_sum + ops.sum(hits * chunk_weights),
                 d_hidden,
-                d_kernel + ops.matmul(ops.transpose(d_logits), hidden_chunk),
+                d_kernel_t + ops.matmul(ops.transpose(hidden_chunk), d_logits),  # (d_model, vocab)
                 d_bias,
             )
 
@@ -175,11 +191,19 @@ def projected_smoothed_cross_entropy(
                 zero,
                 zero,
                 ops.zeros_like(sorted_hidden),
-                ops.zeros_like(kernel),
+                ops.zeros_like(kernel_t),
                 ops.zeros_like(extra[0]) if extra else zero,
             ),
         )
-
+        # The one-hot part of dz, -w (1 - ε) at (position, label), through both products at once:
+        # d_hidden -= w (1 - ε) W[y] per position, d_kernel[y] -= the sum of w (1 - ε) h over y's positions.
+        label_weights = ops.expand_dims((1.0 - label_smoothing) * sorted_weights, axis=-1)  # (padded, 1)
+        d_hidden = d_hidden - label_weights * ops.take(kernel, sorted_labels, axis=0)
+        d_kernel = ops.transpose(d_kernel) - ops.segment_sum(
+            label_weights * sorted_hidden, sorted_labels, num_segments=vocab
+        )
+        if extra:
+            d_bias = d_bias - ops.segment_sum(label_weights[:, 0], sorted_labels, num_segments=vocab)
         d_hidden = ops.take(d_hidden, ops.argsort(order), axis=0)  # back to position order
 
         def gradient(*args, upstream=None):
