@@ -250,3 +250,21 @@ def test_time_budget_counts_the_time_a_resumed_run_already_spent():
         budget.on_epoch_end(0)
     assert not fresh.exhausted and not fresh.model.stop_training
     assert resumed.exhausted and resumed.model.stop_training
+
+
+def test_val_bleu_every_measures_every_kth_epoch_and_the_last():
+    from keras_transformer.training.callbacks import ValidationBleu
+
+    class EchoTranslator:  # translates each source into its reference
+        def translate(self, sources):
+            return [f"ref {source}" for source in sources], None
+
+    callback = ValidationBleu(["a b c d", "e f g h"], ["ref a b c d", "ref e f g h"], None, every=3, last=7)
+    callback.translator = EchoTranslator()
+    measured = []
+    for epoch in range(7):  # Keras counts epochs from 0
+        logs = {"loss": 1.0}
+        callback.on_epoch_end(epoch, logs)
+        if "val_bleu" in logs:
+            measured.append((epoch + 1, round(logs["val_bleu"])))
+    assert measured == [(3, 100), (6, 100), (7, 100)]

@@ -52,24 +52,29 @@ class TimeBudget(keras.callbacks.Callback):
 
 
 class ValidationBleu(keras.callbacks.Callback):
-    """Greedy-decodes a fixed list of validation sources after every epoch and adds
-    `val_bleu` (corpus sacreBLEU against `references`) to the epoch's logs.
+    """Greedy-decodes a fixed list of validation sources after every `every`-th epoch
+    (and after epoch `last`) and adds `val_bleu` (corpus sacreBLEU against
+    `references`) to the epoch's logs.
 
     Greedy search, not the final beam: it tracks progress at a fraction of the
-    cost (`--val-bleu N` picks how many pairs). The time it takes is counted
-    in the epoch's `seconds` and logged alone as `val_bleu_seconds`.
+    cost (`--val-bleu N` picks how many pairs, `--val-bleu-every K` how often).
+    The time it takes is counted in the epoch's `seconds` and logged alone as
+    `val_bleu_seconds`.
     """
 
-    def __init__(self, sources, references, tokenizer, batch_size=128):
+    def __init__(self, sources, references, tokenizer, batch_size=128, every=1, last=None):
         super().__init__()
         self.sources, self.references = list(sources), list(references)
         self.tokenizer, self.batch_size, self.translator = tokenizer, batch_size, None
+        self.every, self.last = every, last
 
     def on_epoch_end(self, epoch, logs=None):
         from keras_transformer.decoding.translator import Translator
         from keras_transformer.evaluation import score_translations
 
         if logs is None or not logs_are_finite(logs):  # NonFiniteLoss stops the run
+            return
+        if (epoch + 1) % self.every and epoch + 1 != self.last:  # `epoch` counts from 0
             return
         if self.translator is None:  # traced once, reused every epoch
             self.translator = Translator(self.model, self.tokenizer, beam_size=1, batch_size=self.batch_size)

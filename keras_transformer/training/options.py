@@ -164,6 +164,9 @@ class TrainingOptions:
         "(val_bleu in metrics.json; 0: off)",
         parse=non_negative_int,
     )
+    val_bleu_every: int = option(
+        1, "with --val-bleu: measure it every N epochs (and after the last)", parse=positive_int
+    )
     save_every_steps: int = option(
         help="save the resumable state this often (default: 4 times per epoch)", parse=positive_int
     )

@@ -78,7 +78,12 @@ def _train(run, options, callbacks, log):
     extra = list(callbacks)
     if options.val_bleu:
         sources, references = (pairs[: options.val_bleu] for pairs in prepared.val_pairs)
-        extra.insert(0, ValidationBleu(sources, references, prepared.tokenizer))
+        extra.insert(
+            0,
+            ValidationBleu(
+                sources, references, prepared.tokenizer, every=options.val_bleu_every, last=options.epochs
+            ),
+        )
     return _fit(run, options, prepared, extra, log)
 
 
