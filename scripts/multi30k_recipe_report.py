@@ -152,7 +152,8 @@ def main():
     parser.add_argument("--max-minutes", type=float, required=True, help="the safety limit given to train")
     parser.add_argument("--seconds", type=int, nargs=3, required=True, metavar=("START", "TRAINED", "END"))
     parser.add_argument("--commit", help="the commit the run was started from (default: the clone's now)")
-    parser.add_argument("--json", type=Path, default=RECIPE_JSON)
+    parser.add_argument("--json", type=Path, default=RECIPE_JSON, help="default results/multi30k_recipe.json")
+    parser.add_argument("--curve", type=Path, default=CURVE_PNG, help="default docs/multi30k_curve.png")
     args = parser.parse_args()
 
     entry = run_results(args.run, args.alpha, args.epochs, args.max_minutes, *args.seconds)
@@ -163,8 +164,8 @@ def main():
     harness.write_report(args.json, runs=runs)
     from keras_transformer.plots import plot_learning_curve
 
-    plot_learning_curve(entry["curve"], CURVE_PNG)
-    if args.json == RECIPE_JSON:  # the tracked file: the docs' tables follow it
+    plot_learning_curve(entry["curve"], args.curve)
+    if args.json.resolve() == RECIPE_JSON:  # the tracked file: the docs' tables follow it
         for path in TABLE_FILES:
             replace_table(path, table(runs))
     val, test = entry["val"], entry["test2016"]

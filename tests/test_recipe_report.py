@@ -1,0 +1,97 @@
+"""scripts/multi30k_recipe_report.py: the recipe's results file is written from the run, not typed."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SCORES = {"bleu": 36.5, "bleu_signature": "s", "chrf": 62.0, "chrf_signature": "c", "paper_bleu": 37.0}
+
+
+def _fake_run(run, epochs, status="finished"):
+    run.mkdir()
+    entries = [
+        {
+            "epoch": e,
+            "optimizer_steps": 145 * e,
+            "seconds": 70.0 + e,
+            "loss": 5.0 / e,
+            "token_accuracy": 0.1 * e,
+            "val_loss": 5.5 / e,
+            "val_token_accuracy": 0.1 * e,
+            "val_bleu": 10.0 * e if e % 2 == 0 else None,
+        }
+        for e in range(1, epochs + 1)
+    ]
+    metrics = {"epochs": entries, "parameters": 2349056, "averaged": [epochs - 1, epochs], "status": status}
+    (run / "metrics.json").write_text(json.dumps(metrics))
+    for name in ("eval-val-alpha0.6", "eval-val-alpha1.0", "eval-val-alpha1.4", "eval-multi30k-val"):
+        (run / f"{name}.json").write_text(json.dumps({**SCORES, "bleu": 35.0}))
+    (run / "eval-multi30k-test.json").write_text(json.dumps(SCORES))
+
+
+def _report(run, results, tmp_path, asked, commit):
+    command = [
+        sys.executable,
+        str(ROOT / "scripts" / "multi30k_recipe_report.py"),
+        str(run),
+        "--alpha",
+        "1.0",
+        "--epochs",
+        str(asked),
+        "--max-minutes",
+        "300",
+        "--seconds",
+        "0",
+        "3000",
+        "3600",
+        "--commit",
+        commit,
+        "--json",
+        str(results),
+        "--curve",
+        str(tmp_path / "curve.png"),
+    ]
+    return subprocess.run(command, capture_output=True, text=True, check=True).stdout
+
+
+def test_the_report_records_the_run_and_keeps_one_entry_per_machine_epochs_and_commit(tmp_path):
+    results = tmp_path / "recipe.json"
+    _fake_run(tmp_path / "full", 4)
+    printed = _report(tmp_path / "full", results, tmp_path, asked=4, commit="aaa")
+    entry = json.loads((tmp_path / "full" / "results.json").read_text())
+    assert entry["epochs"] == entry["epochs_asked"] == 4 and entry["cut_by_max_minutes"] is False
+    assert entry["seconds_per_epoch"] == {"median": 72.5, "min": 71.0, "max": 74.0}
+    assert entry["minutes"]["total"] == 60.0 and entry["minutes"]["training"] == 50.0
+    assert entry["test2016"]["bleu"] == 36.5 and entry["val"]["bleu"] == 35.0
+    assert [point["val_bleu"] for point in entry["curve"]] == [None, 20.0, None, 40.0]
+    assert entry["machine"]["commit"] == "aaa" and entry["machine"]["cpu"]
+    assert "test2016: BLEU 36.50" in printed and (tmp_path / "curve.png").stat().st_size > 0
+
+    _fake_run(tmp_path / "cut", 3)  # the safety limit stopped it after 3 of 5 epochs
+    _report(tmp_path / "cut", results, tmp_path, asked=5, commit="aaa")
+    _report(tmp_path / "cut", results, tmp_path, asked=5, commit="aaa")  # the same run again: replaced
+    runs = json.loads(results.read_text())["runs"]
+    assert [(run["epochs_asked"], run["epochs"], run["cut_by_max_minutes"]) for run in runs] == [
+        (4, 4, False),
+        (5, 3, True),
+    ]
+
+
+def test_the_table_has_one_row_per_run_and_says_when_the_limit_cut_it(tmp_path):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import multi30k_recipe_report as report
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    results = tmp_path / "recipe.json"
+    _fake_run(tmp_path / "cut", 3)
+    _report(tmp_path / "cut", results, tmp_path, asked=5, commit="bbb")
+    table = report.table(json.loads(results.read_text())["runs"]).splitlines()
+    assert table[0].startswith("| epochs (updates) |") and len(table) == 3
+    assert "| 5, cut at 3 by --max-minutes (435) |" in table[2] and "**36.50**" in table[2]
+    document = tmp_path / "README.md"
+    document.write_text(f"before\n{report.BEGIN}\nold table\n{report.END}\nafter\n")
+    report.replace_table(document, "\n".join(table))
+    assert document.read_text() == f"before\n{report.BEGIN}\n" + "\n".join(table) + f"\n{report.END}\nafter\n"
