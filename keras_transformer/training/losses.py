@@ -104,7 +104,14 @@ def projected_smoothed_cross_entropy(
     size `vocab` per position is kept. Measured on 4096 positions with 24%
     padding, d_model 256 and 8000 pieces (2-core CPU), forward plus backward
     took 0.73x the time of projecting all positions and applying
-    `smoothed_cross_entropy` (0.63x with XLA).
+    `smoothed_cross_entropy` (0.63x with XLA). Each chunk makes five passes
+    over its `(chunk, vocab)` logits (the row maximum, `exp`, the row sum, the
+    softmax times the weight, minus `w ε / V`); `mean_k z_k` comes from the
+    kernel's mean row and the one-hot part of `q` is applied once after the
+    loop (a gather into `d_hidden`, a segment sum into `d_kernel`). Against the
+    fourteen passes before (one-hot included), measured side by side at 4096
+    positions, d_model 128, 8000 pieces: 1.23x faster forward plus backward
+    (1.08x with XLA, which fused some of them already).
 
     Args:
         hidden: `(tokens, d_model)` float (computed in float32).
