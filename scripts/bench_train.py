@@ -249,17 +249,29 @@ class BaselineWorker:
         self.process.wait()
 
 
+def model_config(model_name, vocab_size):
+    """The `TransformerConfig` of one of `MODELS`."""
+    settings = dict(MODELS[model_name])
+    return kt.TransformerConfig.from_preset(settings.pop("preset"), vocab_size=vocab_size, **settings)
+
+
+def stacked(batches):
+    """The batches (all of one shape) as arrays `source_ids`, `target_ids`, `labels`, one batch per row."""
+    arrays = {key: np.stack([inputs[key] for inputs, _ in batches]) for key in ("source_ids", "target_ids")}
+    return {**arrays, "labels": np.stack([labels for _, labels in batches])}
+
+
+def batches_dataset(arrays):
+    """The stacked batches as a cached in-memory dataset of `(inputs, labels)`."""
+    inputs = {key: arrays[key] for key in ("source_ids", "target_ids")}
+    return tf.data.Dataset.from_tensor_slices((inputs, arrays["labels"])).cache()
+
+
 def serve_worker(spec):
     """The `--worker` side of `BaselineWorker`: one JSON line per request on stdout."""
     spec = json.loads(spec)
-    saved = np.load(spec["batches"])
-    dataset = tf.data.Dataset.from_tensor_slices(
-        ({key: saved[key] for key in ("source_ids", "target_ids")}, saved["labels"])
-    ).cache()
-    settings = dict(MODELS[spec["model"]])
-    config = kt.TransformerConfig.from_preset(
-        settings.pop("preset"), vocab_size=spec["vocab_size"], **settings
-    )
+    dataset = batches_dataset(np.load(spec["batches"]))
+    config = model_config(spec["model"], spec["vocab_size"])
     policy = mixed_precision_policy() if spec["policy"] != "float32" else "float32"
     keras.config.set_dtype_policy(policy)
     keras.utils.set_random_seed(0)
@@ -370,13 +382,6 @@ def main():
     vocab_size, batches = load_batches(args.batches, args.batch_tokens, args.data_dir)
     target_tokens = sum(int((labels != 0).sum()) for _, labels in batches)
 
-    def dataset():  # the batches, all of one shape, as a cached in-memory dataset
-        stacked = (
-            {key: np.stack([inputs[key] for inputs, _ in batches]) for key in ("source_ids", "target_ids")},
-            np.stack([labels for _, labels in batches]),
-        )
-        return tf.data.Dataset.from_tensor_slices(stacked).cache()
-
     scratch = tempfile.TemporaryDirectory(prefix="bench_train_")
     baseline = None
     if args.baseline:
@@ -384,16 +389,11 @@ def main():
         tree.mkdir()
         baseline = f"ours batched @{extract_tree(args.baseline, tree)}"
         batches_path = Path(scratch.name) / "batches.npz"
-        np.savez(
-            batches_path,
-            **{key: np.stack([inputs[key] for inputs, _ in batches]) for key in ("source_ids", "target_ids")},
-            labels=np.stack([labels for _, labels in batches]),
-        )
+        np.savez(batches_path, **stacked(batches))
 
     rows = []
     for model_name in args.models.split(","):
-        settings = dict(MODELS[model_name])
-        config = kt.TransformerConfig.from_preset(settings.pop("preset"), vocab_size=vocab_size, **settings)
+        config = model_config(model_name, vocab_size)
         flops = sum(batch_flops(inputs["source_ids"], labels, config) for inputs, labels in batches)
         models = {}
         for policy in policies:
@@ -409,7 +409,7 @@ def main():
                     models[baseline, jit_compile, policy] = BaselineWorker(
                         tree, batches_path, model_name, vocab_size, jit_compile, policy
                     )
-        passes = time_passes(models, dataset(), args.repeats)
+        passes = time_passes(models, batches_dataset(stacked(batches)), args.repeats)
         for (implementation, jit_compile, policy), seconds in passes.items():
             step = float(np.median(seconds)) / len(batches)
             model = models[implementation, jit_compile, policy]

@@ -74,5 +74,5 @@ cp "$RUN/eval-val-alpha$best_alpha.json" "$RUN/eval-multi30k-val.json"
     --beam-size 5 --length-penalty "$best_alpha"
 end=$(date +%s)
 
-"$BIN/python" scripts/multi30k_recipe_report.py "$RUN" --alpha "$best_alpha" --epochs "$EPOCHS" \
+"$BIN/python" scripts/multi30k_recipe_report.py "$RUN" --epochs "$EPOCHS" \
     --max-minutes "$MAX_MINUTES" --seconds "$start" "$trained" "$end" --commit "$commit"

@@ -28,7 +28,9 @@ def _fake_run(run, epochs, status="finished"):
     (run / "metrics.json").write_text(json.dumps(metrics))
     for name in ("eval-val-alpha0.6", "eval-val-alpha1.0", "eval-val-alpha1.4", "eval-multi30k-val"):
         (run / f"{name}.json").write_text(json.dumps({**SCORES, "bleu": 35.0}))
-    (run / "eval-multi30k-test.json").write_text(json.dumps(SCORES))
+    (run / "eval-multi30k-test.json").write_text(
+        json.dumps({**SCORES, "beam_size": 5, "length_penalty": 1.0})
+    )
 
 
 def _report(run, results, tmp_path, asked, commit):
@@ -36,8 +38,6 @@ def _report(run, results, tmp_path, asked, commit):
         sys.executable,
         str(ROOT / "scripts" / "multi30k_recipe_report.py"),
         str(run),
-        "--alpha",
-        "1.0",
         "--epochs",
         str(asked),
         "--max-minutes",
@@ -65,6 +65,8 @@ def test_the_report_records_the_run_and_keeps_one_entry_per_machine_epochs_and_c
     assert entry["seconds_per_epoch"] == {"median": 72.5, "min": 71.0, "max": 74.0}
     assert entry["minutes"]["total"] == 60.0 and entry["minutes"]["training"] == 50.0
     assert entry["test2016"]["bleu"] == 36.5 and entry["val"]["bleu"] == 35.0
+    assert (entry["beam_size"], entry["length_penalty"]) == (5, 1.0)  # as evaluate recorded them
+    assert list(entry["val_candidates"]) == ["0.6", "1.0", "1.4"]
     assert [point["val_bleu"] for point in entry["curve"]] == [None, 20.0, None, 40.0]
     assert entry["machine"]["commit"] == "aaa" and entry["machine"]["cpu"]
     assert "test2016: BLEU 36.50" in printed and (tmp_path / "curve.png").stat().st_size > 0
