@@ -31,6 +31,7 @@ again skips the variants that are there and resumes a half-trained one
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -190,7 +191,7 @@ def _evaluate(binary, name, args, core):
         "epochs": len(epochs),
         "optimizer_steps": epochs[-1]["optimizer_steps"],
         "train_minutes": round(sum(e["seconds"] for e in epochs) / 60, 1),
-        "seconds_per_epoch": round(sorted(e["seconds"] for e in epochs)[len(epochs) // 2], 1),
+        "seconds_per_epoch": round(statistics.median(e["seconds"] for e in epochs), 1),
         "target_tokens_per_second": round(
             sum(e["target_tokens_per_second"] * e["seconds"] for e in epochs)
             / sum(e["seconds"] for e in epochs),
@@ -217,7 +218,8 @@ def _decoding_rows(binary, args, results):
     if not (run / "metrics.json").exists():
         raise SystemExit(f"--decoding evaluates {run}; train it first (--only '{name}').")
     for last in AVERAGED:
-        model = run / f"averaged-last{last}.keras"
+        # train --average-last 5 (COMMON) wrote the last-5 average already.
+        model = run / ("averaged.keras" if last == 5 else f"averaged-last{last}.keras")
         if not model.exists():
             subprocess.run(
                 [binary, "average", "--model", str(run), "--last", str(last), "--output", str(model)],
