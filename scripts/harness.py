@@ -9,6 +9,7 @@ is, the machine's description, timing, the table and the JSON report.
     seconds = harness.interleaved({"a": run_a, "b": run_b}, rounds=7)
     harness.print_table(["variant", "ms"], [["a", "1.0"], ["b", "2.0"]])
     harness.write_report(args.json, settings=vars(args), results=rows)
+    harness.replace_between(Path("README.md"), BEGIN, END, table)  # a generated block of a document
 
 Measured figures belong in `results/` (tracked): every file a script writes
 there carries the machine it was measured on (CPU model, SIMD flags, cores,
@@ -179,3 +180,20 @@ def write_report(path, **report):
     path.write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
     print(f"\nWrote {path}")
     return report
+
+
+def replace_between(path, begin, end, text):
+    """Rewrites the block between the lines `begin` and `end` of `path` (which must have them) with `text`.
+
+    The README's and docs' generated tables live between such markers, so that a script rewrites
+    them from its results and nobody types a measured figure.
+    """
+    path = Path(path)
+    content = path.read_text(encoding="utf-8")
+    if begin not in content or end not in content:
+        raise SystemExit(
+            f"{path}: the markers {begin!r} ... {end!r} are missing; put them where the table goes."
+        )
+    head, rest = content.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    path.write_text(f"{head}{begin}\n{text}\n{end}{tail}", encoding="utf-8")

@@ -135,15 +135,8 @@ def table(runs):
 
 
 def replace_table(path, text):
-    """Rewrites the block between the markers in `path` (which must have them)."""
-    content = path.read_text()
-    if BEGIN not in content or END not in content:
-        raise SystemExit(
-            f"{path}: the markers {BEGIN!r} ... {END!r} are missing; put them where the table goes."
-        )
-    head, rest = content.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    path.write_text(f"{head}{BEGIN}\n{text}\n{END}{tail}")
+    """Rewrites the recipe table between the markers in `path` (which must have them)."""
+    harness.replace_between(path, BEGIN, END, text)
 
 
 def main():
