@@ -55,6 +55,22 @@ def scores(path):
     return {key: found.get(key) for key in SCORES}
 
 
+MODEL_KEYS = (
+    "num_layers",
+    "num_decoder_layers",
+    "d_model",
+    "num_heads",
+    "d_ff",
+    "dropout_rate",
+    "vocab_size",
+)
+
+
+def model_summary(config):
+    """The model's shape from the run's `run.json` (the settings the recipe changes)."""
+    return {key: config[key] for key in MODEL_KEYS}
+
+
 def run_results(run, epochs_asked, max_minutes, start, trained, end):
     """The results of the run in `run` (see the module docstring)."""
     metrics = read_json(run / "metrics.json")
@@ -64,6 +80,7 @@ def run_results(run, epochs_asked, max_minutes, start, trained, end):
     machine = harness.machine()
     return {
         "machine": machine,
+        "model": model_summary(read_json(run / "run.json")["model"]),
         "epochs_asked": epochs_asked,
         "epochs": len(epochs),
         "cut_by_max_minutes": len(epochs) < epochs_asked and metrics.get("status") == "finished",
@@ -111,9 +128,9 @@ def merged(entry, path=RECIPE_JSON):
 def table(runs):
     """The Markdown table "test2016 BLEU at N epochs", one row per run."""
     lines = [
-        "| epochs (updates) | machine | s/epoch | minutes in all (training + evaluation) | "
+        "| epochs (updates) | model | machine | s/epoch | minutes in all (training + evaluation) | "
         "test2016 BLEU | chrF | paper metric | val BLEU (α) | commit |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in sorted(runs, key=lambda item: (item["epochs_asked"], item["machine"]["cpu"])):
         machine, minutes, test = run["machine"], run["minutes"], run["test2016"]
@@ -121,6 +138,9 @@ def table(runs):
         cut = f", cut at {run['epochs']} by --max-minutes" if run["cut_by_max_minutes"] else ""
         cells = [
             f"{run['epochs_asked']}{cut} ({run['optimizer_steps']:,})",
+            "{num_layers}+{num_decoder_layers} layers, d_model {d_model}, BPE {vocab_size}".format(
+                **run["model"]
+            ),
             f"{machine['cpu']}, {machine['cores']} cores, {simd}",
             f"{run['seconds_per_epoch']['median']:.0f}",
             f"{minutes['total']:.0f} ({minutes['training']:.0f} + {minutes['evaluation']:.0f})",

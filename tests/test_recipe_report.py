@@ -26,6 +26,8 @@ def _fake_run(run, epochs, status="finished"):
     ]
     metrics = {"epochs": entries, "parameters": 2349056, "averaged": [epochs - 1, epochs], "status": status}
     (run / "metrics.json").write_text(json.dumps(metrics))
+    model = dict(num_layers=3, num_decoder_layers=3, d_model=128, num_heads=4, d_ff=256, dropout_rate=0.3)
+    (run / "run.json").write_text(json.dumps({"model": {**model, "vocab_size": 8000, "pad_id": 0}}))
     for name in ("eval-val-alpha0.6", "eval-val-alpha1.0", "eval-val-alpha1.4", "eval-multi30k-val"):
         (run / f"{name}.json").write_text(json.dumps({**SCORES, "bleu": 35.0}))
     (run / "eval-multi30k-test.json").write_text(
@@ -69,6 +71,7 @@ def test_the_report_records_the_run_and_keeps_one_entry_per_machine_epochs_and_c
     assert list(entry["val_candidates"]) == ["0.6", "1.0", "1.4"]
     assert [point["val_bleu"] for point in entry["curve"]] == [None, 20.0, None, 40.0]
     assert entry["machine"]["commit"] == "aaa" and entry["machine"]["cpu"]
+    assert entry["model"]["num_layers"] == 3 and "pad_id" not in entry["model"]  # from run.json
     assert "test2016: BLEU 36.50" in printed and (tmp_path / "curve.png").stat().st_size > 0
 
     _fake_run(tmp_path / "cut", 3)  # the safety limit stopped it after 3 of 5 epochs
@@ -92,7 +95,8 @@ def test_the_table_has_one_row_per_run_and_says_when_the_limit_cut_it(tmp_path):
     _report(tmp_path / "cut", results, tmp_path, asked=5, commit="bbb")
     table = report.table(json.loads(results.read_text())["runs"]).splitlines()
     assert table[0].startswith("| epochs (updates) |") and len(table) == 3
-    assert "| 5, cut at 3 by --max-minutes (435) |" in table[2] and "**36.50**" in table[2]
+    assert "| 5, cut at 3 by --max-minutes (435) | 3+3 layers, d_model 128, BPE 8000 |" in table[2]
+    assert "**36.50**" in table[2]
     document = tmp_path / "README.md"
     document.write_text(f"before\n{report.BEGIN}\nold table\n{report.END}\nafter\n")
     report.replace_table(document, "\n".join(table))
