@@ -289,7 +289,7 @@ def ablation_table(results):
     epochs = results["epochs"]
     marks = sorted({10, 20, epochs} & set(range(1, epochs + 1)))
     lines = [
-        "| variant (one change to the recipe) | updates | s/epoch (1 core; ran beside) | val loss at "
+        "| variant (one change to the first row) | updates | s/epoch (1 core; ran beside) | val loss at "
         + " / ".join(str(mark) for mark in marks)
         + " epochs | val BLEU | Δ | val chrF | val paper metric |",
         "|---|---|---|---|---|---|---|---|",
