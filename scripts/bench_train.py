@@ -382,6 +382,7 @@ def main():
     vocab_size, batches = load_batches(args.batches, args.batch_tokens, args.data_dir)
     target_tokens = sum(int((labels != 0).sum()) for _, labels in batches)
 
+    arrays = stacked(batches)  # for the in-process dataset and the baseline workers' file
     scratch = tempfile.TemporaryDirectory(prefix="bench_train_")
     baseline = None
     if args.baseline:
@@ -389,7 +390,7 @@ def main():
         tree.mkdir()
         baseline = f"ours batched @{extract_tree(args.baseline, tree)}"
         batches_path = Path(scratch.name) / "batches.npz"
-        np.savez(batches_path, **stacked(batches))
+        np.savez(batches_path, **arrays)
 
     rows = []
     for model_name in args.models.split(","):
@@ -409,7 +410,7 @@ def main():
                     models[baseline, jit_compile, policy] = BaselineWorker(
                         tree, batches_path, model_name, vocab_size, jit_compile, policy
                     )
-        passes = time_passes(models, batches_dataset(stacked(batches)), args.repeats)
+        passes = time_passes(models, batches_dataset(arrays), args.repeats)
         for (implementation, jit_compile, policy), seconds in passes.items():
             step = float(np.median(seconds)) / len(batches)
             model = models[implementation, jit_compile, policy]
