@@ -36,17 +36,17 @@ def test_ablation_table_puts_the_recipe_first_with_each_change_against_it(ablate
     results = {
         "epochs": 30,
         "rows": [
-            _row("mini 3+3 layers", 36.75, [loss - 0.05 for loss in losses], "mini, lr 5e-3"),
-            _row("mini, lr 5e-3", 35.5, losses, "mini 3+3 layers"),
+            _row("3+3, dropout 0.2", 36.75, [loss - 0.05 for loss in losses], "mini 3+3 (the recipe)"),
+            _row("mini 3+3 (the recipe)", 35.5, losses, "3+3, dropout 0.2"),
         ],
     }
     lines = ablate.ablation_table(results).splitlines()
     assert "val loss at 10 / 20 / 30 epochs" in lines[0] and len(lines) == 4
     cells = [line.split(" | ") for line in lines[2:]]
-    assert cells[0][0] == "| **mini, lr 5e-3**" and cells[0][5] == ""  # the reference: no delta
-    assert cells[1][0] == "| mini 3+3 layers" and cells[1][5] == "+1.25"
+    assert cells[0][0] == "| **mini 3+3 (the recipe)**" and cells[0][5] == ""  # the reference: no delta
+    assert cells[1][0] == "| 3+3, dropout 0.2" and cells[1][5] == "+1.25"
     assert cells[1][3] == "4.050 / 3.050 / 2.050"  # epochs 10, 20 and 30 (1-based)
-    assert cells[1][2] == "120 (mini, lr 5e-3)" and cells[1][-1] == "– |"  # no paper metric recorded
+    assert cells[1][2] == "120 (mini 3+3 (the recipe))" and cells[1][-1] == "– |"  # no paper metric recorded
 
 
 def test_decoding_table_and_the_markers_it_is_written_between(ablate, tmp_path):
