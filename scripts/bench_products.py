@@ -12,7 +12,9 @@ projection over the real target positions in the fused loss's 256-position
 chunks (it skips padding). Each product is timed the three ways training runs
 it: forward `a @ b`, the gradient of `a` (`g @ b^T`) and of `b` (`a^T @ g`).
 All variants are timed in turns (`harness.interleaved`), each the median of
-`--rounds` samples.
+`--rounds` samples. Each product is one `tf.function` call, so a time includes
+the call's dispatch (tens of microseconds): the attention products, 16 MFLOP
+each, are mostly that; inside the step they run in one graph.
 
 The summary adds up, for each of the four set-ups, the seconds the step's
 products take at the rates measured here, beside the floor (the step's product
@@ -84,7 +86,7 @@ def timed_ways(batch, m, k, n, jit_compile, dtype):
     ways = {"forward": lambda: forward(a, b), "grad a": lambda: grad_a(g, b), "grad b": lambda: grad_b(a, g)}
     for way in ways.values():
         way().numpy()  # trace, compile
-    return {name: (lambda way=way: way().numpy()) for name, way in ways.items()}
+    return ways  # a call returns once the product is computed (eager execution on the CPU is synchronous)
 
 
 def main():

@@ -50,13 +50,21 @@ the ratios of passes timed in the same round (each round times every variant
 once, in turn), which shows how much the machine's noise moves the ratio.
 
     python scripts/bench_train.py [--batches 4] [--repeats 5] [--mixed-precision]
-                                  [--baseline REF] [--json results/bench_train.json]
+                                  [--baseline REF] [--autoclustering]
+                                  [--json results/bench_train.json]
 
 `--baseline REF` (a commit, tag or branch) adds "ours batched @REF": the same
 model built by that commit's library, each (XLA, policy) variant in a worker
 process of its own that imports REF's tree (extracted with `git archive`); the
 workers take their turns in the same rounds as the in-process variants, so the
 old and new step are timed side by side in one run ("vs baseline" in the table).
+
+`--autoclustering` adds "ours batched, autoclustered": the step without
+`jit_compile`, in a worker process started with TensorFlow's XLA
+auto-clustering of the fusible (elementwise) ops only (`TF_XLA_FLAGS` set to
+`AUTOCLUSTERING` below), so that the matrix products keep TensorFlow's kernels
+(oneDNN, faster than XLA's at these shapes: `scripts/bench_products.py`) while
+XLA fuses the elementwise ops between them.
 
 With `--mixed-precision` the models compute in bfloat16 (CPU) or float16 (GPU)
 with float32 weights; `--policies float32,mixed` times both side by side in one
@@ -75,6 +83,8 @@ from pathlib import Path
 import harness
 
 BASELINE_TREE = "BENCH_TRAIN_LIBRARY_TREE"  # set in a baseline worker: import the library from here
+AUTOCLUSTERING = "--tf_xla_auto_jit=2 --tf_xla_cpu_global_jit --tf_xla_ops_to_cluster=FUSIBLE"
+AUTOCLUSTERED = "ours batched, autoclustered"
 if os.environ.get(BASELINE_TREE):
     sys.path.insert(0, os.environ[BASELINE_TREE])
 
@@ -212,7 +222,8 @@ def timed_pass(model, dataset):
 
 
 class BaselineWorker:
-    """One "ours batched" variant built by another commit's library, in a process of its own.
+    """One "ours batched" variant built by another commit's library (or this tree's with other
+    `environment` variables), in a process of its own.
 
     The process (this script with `--worker`) imports the library from `tree`,
     builds the model on the batches saved in `batches_path`, trains its untimed
@@ -220,13 +231,13 @@ class BaselineWorker:
     interleave with the in-process variants'.
     """
 
-    def __init__(self, tree, batches_path, model_name, vocab_size, jit_compile, policy):
+    def __init__(self, tree, batches_path, model_name, vocab_size, jit_compile, policy, environment=None):
         spec = dict(
             batches=str(batches_path), model=model_name, vocab_size=vocab_size, xla=jit_compile, policy=policy
         )
         self.process = subprocess.Popen(
             [sys.executable, __file__, "--worker", json.dumps(spec)],
-            env={**os.environ, BASELINE_TREE: str(tree)},
+            env={**os.environ, BASELINE_TREE: str(tree), **(environment or {})},
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -367,6 +378,11 @@ def main():
         metavar="REF",
         help='also time "ours batched" as commit REF builds it, side by side (see above)',
     )
+    parser.add_argument(
+        "--autoclustering",
+        action="store_true",
+        help=f'also time "{AUTOCLUSTERED}" (no jit_compile; XLA auto-clustering of the fusible ops)',
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # a baseline worker's spec (internal)
     args = parser.parse_args()
     if args.worker:
@@ -387,12 +403,13 @@ def main():
     arrays = stacked(batches)  # for the in-process dataset and the baseline workers' file
     scratch = tempfile.TemporaryDirectory(prefix="bench_train_")
     baseline = None
+    batches_path = Path(scratch.name) / "batches.npz"  # the workers' batches
+    if args.baseline or args.autoclustering:
+        np.savez(batches_path, **arrays)
     if args.baseline:
         tree = Path(scratch.name) / "baseline"
         tree.mkdir()
         baseline = f"ours batched @{extract_tree(args.baseline, tree)}"
-        batches_path = Path(scratch.name) / "batches.npz"
-        np.savez(batches_path, **arrays)
 
     rows = []
     for model_name in args.models.split(","):
@@ -406,6 +423,17 @@ def main():
                     keras.utils.set_random_seed(0)
                     models[implementation, jit_compile, policy] = build(implementation, config, jit_compile)
         keras.config.set_dtype_policy("float32")
+        if args.autoclustering:
+            for policy in policies:
+                models[AUTOCLUSTERED, False, policy] = BaselineWorker(
+                    harness.ROOT,
+                    batches_path,
+                    model_name,
+                    vocab_size,
+                    False,
+                    policy,
+                    environment={"TF_XLA_FLAGS": AUTOCLUSTERING},
+                )
         if baseline:
             for policy in policies:
                 for jit_compile in (False, True):
