@@ -79,3 +79,15 @@ def test_decoding_table_and_the_markers_it_is_written_between(ablate, tmp_path):
     document.write_text("no markers\n")
     with pytest.raises(SystemExit, match="markers .* are missing"):
         harness.replace_between(document, begin, end, table)
+
+
+def test_the_ablation_reference_trains_what_the_recipe_script_trains(ablate):
+    """The reference row's settings are `reproduce_multi30k.sh`'s (written in two places, so pinned)."""
+    script = (ROOT / "scripts" / "reproduce_multi30k.sh").read_text()
+    train = script[script.index('"$BIN/keras-transformer" train') :].split("\n\n")[0].replace("\\\n", " ")
+    words = train.split()
+    reference = ablate.VARIANTS[ablate.REFERENCE]
+    assert reference == ablate.RECIPE
+    for flag, value in zip(reference[::2], reference[1::2]):
+        pairs = [(words[i], words[i + 1]) for i in range(len(words) - 1) if words[i] == flag]
+        assert (flag, value) in pairs, f"{flag} {value} is not in the recipe script's train command"
