@@ -26,10 +26,13 @@ time.
         [--json results/bench_products_mini.json]
 """
 
+import inspect
 import statistics
 
 import harness
 from bench_train import load_batches, matmul_limit, model_config
+
+from keras_transformer.training.losses import projected_smoothed_cross_entropy
 
 tf = harness.tensorflow()
 tf.get_logger().setLevel("ERROR")  # one tf.function per shape and way: the retracing warnings say nothing
@@ -40,7 +43,8 @@ SETUPS = (
     ("XLA", True, "float32"),
     ("XLA", True, "bfloat16"),
 )
-CHUNK = 256  # the fused loss's positions per chunk (training/losses.py)
+# The fused loss's positions per chunk, as the training step calls it (its default).
+CHUNK = inspect.signature(projected_smoothed_cross_entropy).parameters["chunk_size"].default
 
 
 def step_products(config, rows, source_length, target_length, real_targets):
@@ -70,7 +74,7 @@ def step_products(config, rows, source_length, target_length, real_targets):
     add("decoder context", rows * heads, target_length, target_length, d_head, layers)
     add("cross scores", rows * heads, target_length, d_head, source_length, layers)
     add("cross context", rows * heads, target_length, source_length, d_head, layers)
-    add("pre-softmax (256-position chunks)", 1, CHUNK, d, config.target_vocab, -(-real_targets // CHUNK))
+    add(f"pre-softmax ({CHUNK}-position chunks)", 1, CHUNK, d, config.target_vocab, -(-real_targets // CHUNK))
     return {" / ".join(names): (*key, count) for key, (names, count) in products.items()}
 
 
@@ -156,7 +160,7 @@ def main():
     harness.write_report(
         args.json,
         command=f"python scripts/bench_products.py --layers {args.layers} --rounds {args.rounds}",
-        model=dict(config.to_dict(), num_layers=args.layers),
+        model=config.to_dict(),
         batch=dict(
             rows=rows,
             source_length=source_length,
