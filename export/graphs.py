@@ -27,16 +27,20 @@ longer than the model's `max_length` ids are truncated to it (EOS kept last),
 and ids outside the vocabulary read as `<unk>` (`checked_source_ids`).
 """
 
+import dataclasses
 import json
 import os
+import types
 
 import keras
 import tensorflow as tf
 
 from keras_transformer.data.tokenizer import UNK_ID, Tokenizer
 from keras_transformer.decoding import policy
-from keras_transformer.decoding.search import beam_search
-from keras_transformer.decoding.translator import log_likelihood
+from keras_transformer.decoding.alignments import WORD_START
+from keras_transformer.decoding.controls import OPTION_TYPES, DecodingOptions
+from keras_transformer.decoding.request import align, decode
+from keras_transformer.decoding.translator import checked_request, log_likelihood, option_specs
 from keras_transformer.layers.decoding_cache import DecodingCache
 from keras_transformer.layers.masks import padding_mask
 from keras_transformer.model.transformer import Transformer
@@ -68,37 +72,32 @@ class TranslationGraphs:
     Args:
         model: a trained `Transformer` (made float32 if it is not).
         tokenizer: its `Tokenizer`.
-        beam_size, length_penalty, max_extra_length: of `beam_search`, fixed
-            into the translate graphs (4, 0.6, 50 as in the paper).
+        beam_size: of the beam search, fixed into the translate graphs (4).
+        **options: `DecodingOptions` fields: fixed into `serving_default` and
+            `translate_ids`, the defaults of the inputs of `translate_with_options`
+            and `translate.onnx` (§6.1's otherwise: α 0.6, source length + 50).
     """
 
-    def __init__(
-        self,
-        model,
-        tokenizer,
-        beam_size=policy.BEAM_SIZE,
-        length_penalty=policy.LENGTH_PENALTY,
-        max_extra_length=policy.MAX_EXTRA_LENGTH,
-    ):
+    def __init__(self, model, tokenizer, beam_size=policy.BEAM_SIZE, **options):
         if not isinstance(tokenizer, Tokenizer):
             raise TypeError(f"tokenizer must be a keras_transformer Tokenizer; got {tokenizer!r}.")
         if isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1:
             raise UserError(f"beam_size must be an integer >= 1; got {beam_size!r}.")
-        if not (isinstance(length_penalty, (int, float)) and length_penalty >= 0):
-            raise UserError(f"length_penalty must be a number >= 0; got {length_penalty!r}.")
-        if (
-            isinstance(max_extra_length, bool)
-            or not isinstance(max_extra_length, int)
-            or max_extra_length < 0
-        ):
-            raise UserError(f"max_extra_length must be an integer >= 0; got {max_extra_length!r}.")
+        try:
+            self.options = DecodingOptions().replace(**options).check(beam_size)
+        except ValueError as error:
+            raise UserError(str(error)) from None
         self.model = float32_model(model)
         self.tokenizer = tokenizer
         self.config = self.model.config
-        self.beam_size, self.length_penalty = beam_size, length_penalty
-        self.max_extra_length = max_extra_length
+        self.beam_size = beam_size
+        self.length_penalty, self.max_extra_length = (
+            self.options.length_penalty,
+            self.options.max_extra_length,
+        )
         self.num_layers = len(self.model.decoder.stack_layers)
         self.depth = self.config.d_model // self.config.num_heads
+        self.blank = tokenizer.blank_ids()
 
     # ------------------------------------------------------------- signatures
     def specs(self, name):
@@ -113,6 +112,20 @@ class TranslationGraphs:
                 tf.TensorSpec([None], tf.string, name="source"),
                 tf.TensorSpec([None], tf.string, name="target"),
             ],
+            "translate_ids_with_options": [
+                ids,
+                tf.TensorSpec([None, None], tf.int32, name="target_prefix"),
+                tf.TensorSpec([None, None], tf.int32, name="suppress_sequences"),
+                tf.TensorSpec([None], tf.int32, name="sentence_ids"),
+                *option_specs(),
+            ],
+            "translate_with_options": [
+                tf.TensorSpec([None], tf.string, name="text"),
+                tf.TensorSpec([None], tf.string, name="target_prefix"),
+                tf.TensorSpec([None], tf.string, name="suppress_sequences"),
+                *option_specs(),
+            ],
+            "align": [ids, tf.TensorSpec([None, None, None], tf.int32, name="target_ids")],
             "forward": [ids, tf.TensorSpec([None, None], tf.int32, name="target_ids")],
             "encode": [ids],
             "decoder_step": [
@@ -127,8 +140,11 @@ class TranslationGraphs:
         }[name]
 
     def function(self, name, jit_compile=False):
-        """`name` as a `tf.function` with its input signature (traced on first use)."""
-        return tf.function(getattr(self, name), input_signature=self.specs(name), jit_compile=jit_compile)
+        """`name` as a `tf.function` with its input signature (traced on first use; no autograph:
+        the functions' control flow is explicit)."""
+        return tf.function(
+            getattr(self, name), input_signature=self.specs(name), jit_compile=jit_compile, autograph=False
+        )
 
     @staticmethod
     def cache_names():
@@ -142,17 +158,135 @@ class TranslationGraphs:
         return {"translation": self.tokenizer.decode(result["target_ids"]), "score": result["scores"]}
 
     def translate_ids(self, source_ids):
-        """Source ids `(batch, len_src)` -> `{"target_ids": (batch, max_len), "scores": (batch,)}`."""
+        """Source ids `(batch, len_src)` -> `{"target_ids": (batch, max_len), "scores": (batch,)}`:
+        the best hypothesis under the export's options (a source without content: empty)."""
         source_ids = self.checked_source_ids(source_ids)
-        result = beam_search(
-            self.model,
-            source_ids,
-            beam_size=self.beam_size,
-            length_penalty=self.length_penalty,
-            max_extra_length=self.max_extra_length,
-            cache_policy="growing",
+        found = decode(
+            self.model, source_ids, self.options, self.beam_size, blank=self.blank, cache_policy="growing"
         )
-        return {"target_ids": result.ids, "scores": result.scores}
+        return {"target_ids": found.ids[:, 0], "scores": found.scores[:, 0]}
+
+    def translate_ids_with_options(
+        self, source_ids, target_prefix, suppress_sequences, sentence_ids, *options
+    ):
+        """`translate_ids` with a request's options as inputs (`DecodingOptions` fields, scalars);
+        `translate.onnx` has their export values as defaults.
+
+        Args:
+            source_ids: int32 `(batch, len_src)`.
+            target_prefix: int32 `(batch, width)` padded with 0 (a row of 0: no prefix), or
+                `(0, 0)`: none.
+            suppress_sequences: int32 `(count, width)` padded with 0; `(0, 0)`: none.
+            sentence_ids: int32 `(batch,)`, each row's index in the request (sampling's key),
+                or `(0,)`: the rows' own.
+
+        Returns `target_ids` `(batch, max_len)` and `scores` `(batch,)` (the best, as
+        `translate_ids`), `nbest_ids` `(batch, num_return, max_len)`, `nbest_scores`,
+        `nbest_log_probs` `(batch, num_return)` and `alignments` `(batch, num_return,
+        max_len)` (-1 unless `return_alignments`).
+        """
+        options = types.SimpleNamespace(**dict(zip(OPTION_TYPES, options)))
+        source_ids = self.checked_source_ids(source_ids)
+        batch = tf.shape(source_ids)[0]
+        prefix_rows = tf.shape(target_prefix)[0]
+        # A (0, 0) default becomes one padding column per sentence; given rows get one more column.
+        target_prefix = tf.pad(target_prefix, [[0, tf.maximum(batch - prefix_rows, 0)], [0, 1]])
+        sentence_ids = tf.concat([sentence_ids, tf.range(tf.shape(sentence_ids)[0], batch)], axis=0)
+        with tf.control_dependencies(
+            [
+                tf.debugging.Assert(
+                    tf.logical_and(
+                        tf.reduce_any(tf.equal(prefix_rows, [0, batch])),
+                        tf.equal(tf.shape(sentence_ids)[0], batch),
+                    ),
+                    ["target_prefix and sentence_ids need one row per source sentence (or none)"],
+                )
+            ]
+        ):
+            source_ids = checked_request(
+                self.config, self.beam_size, source_ids, options, target_prefix, suppress_sequences
+            )
+        found = decode(
+            self.model, source_ids, options, self.beam_size, target_prefix, suppress_sequences, sentence_ids,
+            self.blank, cache_policy="growing",
+        )  # fmt: skip
+        return {
+            "target_ids": found.ids[:, 0],
+            "scores": found.scores[:, 0],
+            "nbest_ids": found.ids,
+            "nbest_scores": found.scores,
+            "nbest_log_probs": found.log_probs,
+            "alignments": found.alignments,
+        }
+
+    def translate_with_options(self, text, target_prefix, suppress_sequences, *options):
+        """Strings in, n-best strings out, with a request's options (the SavedModel's second
+        signature; TF Serving needs every input: the docs give a request with the defaults).
+
+        Args:
+            text: strings `(batch,)`.
+            target_prefix: strings `(batch,)`, the start each translation is forced to
+                ("": none), or `(0,)`: none.
+            suppress_sequences: strings `(count,)` no translation may contain.
+
+        Returns `translations` strings `(batch, num_return)`, `scores`, `log_probs` float32
+        `(batch, num_return)` and `alignments` strings `(batch, num_return)`: Pharaoh `i-j`
+        pairs of source and translation words ("" unless `return_alignments`; as
+        `keras_transformer.decoding.alignments.word_alignment`).
+        """
+        source_ids = self.source_ids(text, repair_utf8=True)
+        prefix = self._token_ids(target_prefix)
+        sequences = self._token_ids(suppress_sequences)
+        found = self.translate_ids_with_options(
+            source_ids, prefix, sequences, tf.zeros([0], tf.int32), *options
+        )
+        ids = found["nbest_ids"]  # (batch, n, max_len)
+        shape = tf.shape(ids)
+        rows = tf.reshape(ids, [-1, shape[2]])
+        texts = tf.reshape(self.tokenizer.decode(rows), shape[:2])
+        aligned = self._pharaoh(
+            tf.repeat(source_ids, shape[1], axis=0), rows, tf.reshape(found["alignments"], [-1, shape[2]])
+        )
+        return {
+            "translations": texts,
+            "scores": found["nbest_scores"],
+            "log_probs": found["nbest_log_probs"],
+            "alignments": tf.reshape(aligned, shape[:2]),
+        }
+
+    def _token_ids(self, strings):
+        """Strings `(count,)` -> their pieces' ids `(count, width)`, padded with 0 (no BOS/EOS)."""
+        ragged = self.tokenizer.tokenize(strings, repair_utf8=True)
+        return tf.cast(ragged.to_tensor(default_value=self.config.pad_id), tf.int32)
+
+    def _pharaoh(self, source_ids, target_ids, alignments):
+        """Word-level Pharaoh strings `(rows,)` of token alignments `(rows, max_len)`, by the rule of
+        `keras_transformer.decoding.alignments.word_alignment` (its test pins the two alike)."""
+        pieces = [self.tokenizer.processor.id_to_piece(i) for i in range(self.tokenizer.vocab_size)]
+        starts = tf.constant([piece.startswith(WORD_START) for piece in pieces])
+        special = tf.constant([piece in ("<pad>", "<s>", "</s>") for piece in pieces])
+
+        def words(ids):  # (rows, length): each piece's word index, -1 for special pieces
+            is_special = tf.gather(special, ids)
+            first = tf.equal(tf.cumsum(tf.cast(tf.logical_not(is_special), tf.int32), axis=1), 1)
+            begins = tf.logical_and(tf.logical_or(tf.gather(starts, ids), first), tf.logical_not(is_special))
+            return tf.where(is_special, -1, tf.cumsum(tf.cast(begins, tf.int32), axis=1) - 1)
+
+        source_words = words(source_ids)
+        attended = tf.gather(source_words, tf.maximum(alignments, 0), batch_dims=1)
+        target_words = words(target_ids)
+        valid = tf.logical_and(alignments >= 0, tf.logical_and(attended >= 0, target_words >= 0))
+        large = tf.constant(2**30, tf.int32)
+        codes = tf.sort(tf.where(valid, attended * 65536 + target_words, large), axis=1)
+        previous = tf.concat([tf.fill([tf.shape(codes)[0], 1], -1), codes[:, :-1]], axis=1)
+        keep = tf.logical_and(tf.not_equal(codes, previous), codes < large)
+        pairs = tf.strings.as_string(codes // 65536) + "-" + tf.strings.as_string(codes % 65536)
+        return tf.strings.reduce_join(tf.ragged.boolean_mask(pairs, keep), axis=1, separator=" ")
+
+    def align(self, source_ids, target_ids):
+        """`{"alignments": (batch, n, max_len)}`: each hypothesis token's most attended source
+        position (`keras_transformer.decoding.request.align`; -1 at EOS and after)."""
+        return {"alignments": align(self.model, source_ids, target_ids)}
 
     def checked_source_ids(self, source_ids):
         """What `translate_ids` decodes from any int32 `(batch, len)` a client sends, by one rule
@@ -239,11 +373,7 @@ class TranslationGraphs:
             "tensorflow": tf.__version__,
             "keras": keras.__version__,
             "model": self.config.to_dict(),
-            "decoding": {
-                "beam_size": self.beam_size,
-                "length_penalty": self.length_penalty,
-                "max_extra_length": self.max_extra_length,
-            },
+            "decoding": {"beam_size": self.beam_size, **dataclasses.asdict(self.options)},
         }
 
     def source_ids(self, text, repair_utf8=False):

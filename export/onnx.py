@@ -42,8 +42,9 @@ come from `str` in Python, which is always valid).
 
 import os
 
+import numpy as np
 import onnx
-from onnx import TensorProto, compose, helper
+from onnx import TensorProto, compose, helper, numpy_helper
 
 from keras_transformer.utils import keras_compat
 from keras_transformer_export.graph_rewrites import all_graphs, simplify
@@ -56,9 +57,10 @@ CONTRIB_DOMAIN = "ai.onnx.contrib"
 # file stem -> TranslationGraphs function converted by tf2onnx
 GRAPHS = {
     "forward": "forward",
-    "translate": "translate_ids",
+    "translate": "translate_ids_with_options",
     "encoder": "encode",
     "decoder_step": "decoder_step",
+    "align": "align",
 }
 TEXT_GRAPH = "translate_text"
 
@@ -82,6 +84,7 @@ def export_onnx(graphs, out_dir, overwrite=False, log=None, quantization="float3
     described = {}
     with atomic_directory(out_dir, overwrite=overwrite) as temporary:
         models = {stem: simplify(convert(graphs, function)) for stem, function in GRAPHS.items()}
+        with_defaults(models["translate"], request_defaults(graphs))
         extra = {"quantization": {"type": "float32"}}
         if quantization == "int8":
             models, extra = _int8(graphs, models, temporary, gate)
@@ -144,6 +147,32 @@ def convert(graphs, name, extra_opset=None):
     _name_dynamic_axes(model)
     _scalar_loop_counters(model)
     model.doc_string = f"keras-transformer {name}"
+    return model
+
+
+def request_defaults(graphs):
+    """`{input name: default}` of `translate.onnx`'s request inputs: the export's options, no
+    prefix, no banned sequences, the rows' own indices."""
+    from keras_transformer.decoding.translator import option_tensors
+
+    empty = {"target_prefix": np.zeros((0, 0), np.int32), "suppress_sequences": np.zeros((0, 0), np.int32)}
+    return {
+        **empty,
+        "sentence_ids": np.zeros((0,), np.int32),
+        **{name: value.numpy() for name, value in option_tensors(graphs.options).items()},
+    }
+
+
+def with_defaults(model, defaults):
+    """Gives the graph inputs named in `defaults` an initializer of the same name: a client
+    that leaves them out gets the default (ONNX Runtime reads an input's initializer then)."""
+    inputs = {value.name for value in model.graph.input}
+    missing = sorted(set(defaults) - inputs)
+    if missing:
+        raise ValueError(f"the graph has no inputs {missing}")
+    model.graph.initializer.extend(
+        numpy_helper.from_array(np.asarray(value), name) for name, value in defaults.items()
+    )
     return model
 
 

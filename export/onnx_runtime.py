@@ -36,24 +36,30 @@ import numpy as np
 from keras_transformer_export.cache_names import cross_names, past_names, present_names
 
 
-def _decoding_policy():
-    """`keras_transformer.decoding.policy`, the search's rules, without running `keras_transformer`'s
-    `__init__` (it imports Keras, and this module runs where only NumPy and ONNX Runtime are).
-    The policy module imports nothing; it is registered under its name, so a later `import
-    keras_transformer` uses the same module."""
-    name = "keras_transformer.decoding.policy"
+def _decoding_module(name):
+    """`keras_transformer.decoding.<name>` (the search's rules: `policy`, `controls`, `sampling`,
+    `alignments`), without running `keras_transformer`'s `__init__` (it imports Keras, and this
+    module runs where only NumPy and ONNX Runtime are). These modules import nothing but each
+    other; each is registered under its name, so a later `import keras_transformer` uses the
+    same module."""
+    name = f"keras_transformer.decoding.{name}"
     if name not in sys.modules:
         package = importlib.util.find_spec("keras_transformer").submodule_search_locations[0]
-        spec = importlib.util.spec_from_file_location(name, os.path.join(package, "decoding", "policy.py"))
+        path = os.path.join(package, "decoding", name.rsplit(".", 1)[1] + ".py")
+        spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)
     return sys.modules[name]
 
 
-policy = _decoding_policy()
+policy = _decoding_module("policy")
+rules = _decoding_module("controls")
+sampling = _decoding_module("sampling")
+alignments = _decoding_module("alignments")
+DecodingOptions, Hypotheses = rules.DecodingOptions, rules.Hypotheses
 NEG_INF = np.float32(policy.NEG_INF)
-UNK_ID = 1  # kept by detokenization (keras_transformer.data.tokenizer)
+UNK_ID = policy.UNK_ID  # kept by detokenization (keras_transformer.data.tokenizer)
 
 
 def read_metadata(export_dir):
@@ -85,7 +91,8 @@ def make_session(path, threads=None):
 
 
 class SplitBeamSearch:
-    """Beam search over `encoder.onnx` + `decoder_step.onnx` (see the module docstring).
+    """The searches over `encoder.onnx` + `decoder_step.onnx` (see the module docstring), with
+    every decoding control of `keras_transformer.decoding.controls`.
 
     Args:
         export_dir: the directory `export_onnx` wrote.
@@ -93,105 +100,274 @@ class SplitBeamSearch:
     """
 
     def __init__(self, export_dir, threads=None, metadata=None):
+        import sentencepiece
+
         metadata = metadata or read_metadata(export_dir)
         self.config = metadata["model"]
         decoding = metadata["decoding"]
-        self.beam_size, self.alpha = decoding["beam_size"], np.float32(decoding["length_penalty"])
-        self.max_extra_length = decoding["max_extra_length"]
+        self.beam_size = decoding["beam_size"]
+        self.options = export_options(metadata)
         self.num_layers = self.config["num_decoder_layers"] or self.config["num_layers"]
         self.encoder = make_session(os.path.join(export_dir, "encoder.onnx"), threads)
         self.decoder = make_session(os.path.join(export_dir, "decoder_step.onnx"), threads)
+        align_path = os.path.join(export_dir, "align.onnx")
+        self.aligner = make_session(align_path, threads) if os.path.exists(align_path) else None
+        processor = sentencepiece.SentencePieceProcessor(
+            model_file=os.path.join(export_dir, "tokenizer.model")
+        )
+        pieces = [processor.id_to_piece(i) for i in range(processor.get_piece_size())]
+        self.blank = np.array(policy.blank_ids(pieces, UNK_ID), bool)
+        self.output_names = [o.name for o in self.decoder.get_outputs()]
+
+    def __call__(self, source_ids):
+        """Source ids int32 `(batch, len_src)` -> the best `(target_ids (batch, max_len), scores
+        (batch,))` under the export's options."""
+        found = self.search(source_ids)
+        return found.ids[:, 0], found.scores[:, 0]
+
+    def search(
+        self, source_ids, options=None, target_prefix=None, suppress_sequences=None, sentence_ids=None
+    ):
+        """`Hypotheses` `(batch, num_return, ...)` of source ids int32 `(batch, len_src)`, as
+        `keras_transformer.decoding.request.decode` gives them (empty sources not searched).
+
+        Args:
+            options: a `DecodingOptions` (default: the export's).
+            target_prefix: one token list per sentence; suppress_sequences: token lists.
+            sentence_ids: each row's index in the request (sampling's key; default the row).
+        """
+        options = (options or self.options).check(self.beam_size)
+        config = self.config
+        source_ids = np.asarray(source_ids, np.int32)
+        if source_ids.shape[1] == 0:  # an empty batch, or no columns: one padding column
+            source_ids = np.zeros((source_ids.shape[0], 1), np.int32)
+        batch, length = source_ids.shape
+        pad, n = config["pad_id"], options.num_return
+        prefix = _token_array([[]] * batch if target_prefix is None else target_prefix, pad)
+        sequences = _token_array(suppress_sequences or [], pad)
+        sentence_ids = np.arange(batch) if sentence_ids is None else np.asarray(sentence_ids)
+        max_len = int(policy.output_limits(length, config["max_length"], np, options.max_extra_length))
+        ids = np.full((batch, n, max_len), pad, np.int32)
+        ids[:, :, 0] = config["eos_id"]  # an empty source's hypotheses: EOS alone, score 0
+        found = Hypotheses(ids, np.zeros((batch, n), np.float32), np.zeros((batch, n), np.float32))
+        if options.return_alignments:
+            found = found._replace(alignments=np.full((batch, n, max_len), -1, np.int32))
+        keep = np.flatnonzero(~policy.empty_sources(source_ids, self.blank, np))
+        if not len(keep):
+            return found
+        search = _Search(self, source_ids[keep], options, prefix[keep], sequences, max_len)
+        kept = search.sample(sentence_ids[keep]) if options.sampling else search.beam()
+        for whole, part in zip(found[:3], kept):
+            whole[keep] = part
+        if options.return_alignments:
+            aligned = self.aligner.run(None, {"source_ids": source_ids[keep], "target_ids": kept[0]})[0]
+            found.alignments[keep] = aligned
+        return found
+
+
+def export_options(metadata):
+    """The `DecodingOptions` an export was made with (its graphs' input defaults)."""
+    decoding = dict(metadata["decoding"])
+    decoding.pop("beam_size")
+    return DecodingOptions(**decoding)
+
+
+def _token_array(lists, pad):
+    rows = rules.padded_token_lists(lists, pad)
+    return np.array(rows, np.int32).reshape(len(rows), len(rows[0]) if rows else 1)
+
+
+def _log_softmax(logits):
+    """float32 log-softmax along the last axis, as TensorFlow's kernel computes it."""
+    shifted = logits - np.max(logits, axis=-1, keepdims=True)
+    return shifted - np.log(np.sum(np.exp(shifted), axis=-1, keepdims=True))
+
+
+class _Search:
+    """One batch of sources with content, searched over the step graphs."""
+
+    def __init__(self, owner, source_ids, options, prefix, sequences, max_len):
+        config = owner.config
+        self.owner, self.config, self.options, self.max_len = owner, config, options, max_len
+        self.decoder, self.output_names = owner.decoder, owner.output_names
+        self.batch = len(source_ids)
+        self.limits = policy.output_limits(
+            np.sum(source_ids != config["pad_id"], axis=1).astype(np.int32),
+            config["max_length"],
+            np,
+            options.max_extra_length,
+        )
+        self.alpha = np.float32(options.length_penalty)
+        vocab = config["target_vocab_size"] or config["vocab_size"]
+        ids = np.arange(vocab)
+        self.is_eos = ids == config["eos_id"]
+        never = np.isin(ids, [config[name] for name in policy.NEVER_OUTPUT])
+        if options.disable_unk:
+            never |= ids == UNK_ID
+        sequence_lengths = np.sum(sequences != config["pad_id"], axis=1)
+        self.never = never | rules.single_token_bans(sequences, sequence_lengths, vocab, np)
+        self.sequences = sequences if np.any(sequence_lengths > 1) else None
+        self.prefix = prefix if np.any(prefix != config["pad_id"]) else None
+        self.vocab = vocab
+        encoded = dict(
+            zip(
+                [o.name for o in owner.encoder.get_outputs()],
+                owner.encoder.run(None, {"source_ids": source_ids}),
+            )
+        )
+        self.per_sentence = {name: encoded[name] for name in ["memory_mask", *cross_names(owner.num_layers)]}
+
+    def past(self, rows):
+        config = self.config
+        shape = (rows, config["num_heads"], 0, config["d_model"] // config["num_heads"])
+        return {name: np.zeros(shape, np.float32) for name in past_names(self.owner.num_layers)}
+
+    def step(self, last, per_sentence, past):
+        """The decoder step's outputs by name."""
+        return dict(
+            zip(self.output_names, self.decoder.run(None, {"token_ids": last, **per_sentence, **past}))
+        )
+
+    def log_probs(self, outputs, history, step, limits, prefix):
+        """`search._Setup.step_log_probs` in NumPy: `(sentences, beam, vocab)`."""
+        options, shape = self.options, history.shape[:2] + (self.vocab,)
+        if options.repetition_penalty != 1.0:
+            logits = outputs["logits"].reshape(shape)
+            penalty = np.float32(options.repetition_penalty)
+            raw = _log_softmax(rules.repetition_penalized(logits, history, step, penalty, np))
+        else:
+            raw = outputs["log_probs"].reshape(shape)
+        log_probs = policy.constrain(raw, step, limits, self.never, self.is_eos, options.min_length, np)
+        if options.no_repeat_ngram_size:
+            banned = rules.repeated_ngram_ends(history, step, options.no_repeat_ngram_size, self.vocab, np)
+            log_probs = np.where(banned, NEG_INF, log_probs)
+        if self.sequences is not None:
+            lengths = np.sum(self.sequences != self.config["pad_id"], axis=1)
+            log_probs = np.where(
+                rules.sequence_ends(history, step, self.sequences, lengths, self.vocab, np),
+                NEG_INF,
+                log_probs,
+            )
+        if prefix is not None:
+            lengths = np.sum(prefix != self.config["pad_id"], axis=1)
+            log_probs = rules.forced_prefix(log_probs, raw, step, prefix, lengths, np)
+        return log_probs.astype(np.float32)
 
     def penalty(self, length):
         """`policy.length_penalty` in float32."""
         return policy.length_penalty(np.asarray(length, np.float32), self.alpha)
 
-    def __call__(self, source_ids):
-        """Source ids int32 `(batch, len_src)` -> `(target_ids (batch, max_len), scores (batch,))`.
+    def beam(self):
+        """The beam search: `(ids (batch, n, max_len), scores (batch, n), log_probs (batch, n))`.
 
         As the graph search: the self-attention caches grow by one position per
         step and are reordered with one gather each; a sentence whose search is
         final leaves the batch (its rows are dropped from every array).
         """
-        source_ids = np.asarray(source_ids, np.int32)
-        if source_ids.shape[1] == 0:  # an empty batch, or no columns: one padding column
-            source_ids = np.zeros((source_ids.shape[0], 1), np.int32)
-        config, beam = self.config, self.beam_size
-        batch, source_length = source_ids.shape
+        config, beam, batch, max_len = self.config, self.owner.beam_size, self.batch, self.max_len
         pad, eos = config["pad_id"], config["eos_id"]
-        lengths = np.sum(source_ids != pad, axis=1).astype(np.int32)
-        limits = policy.output_limits(lengths, config["max_length"], np, self.max_extra_length)
-        max_len = int(policy.output_limits(source_length, config["max_length"], np, self.max_extra_length))
-        results = np.full((batch, max_len), pad, np.int32), np.full((batch,), NEG_INF, np.float32)
-        if batch == 0:
-            return results
-
-        encoded = dict(
-            zip(
-                [o.name for o in self.encoder.get_outputs()],
-                self.encoder.run(None, {"source_ids": source_ids}),
-            )
+        per_sentence, past, limits, prefix = (
+            self.per_sentence,
+            self.past(batch * beam),
+            self.limits,
+            self.prefix,
         )
-        n, heads, depth = self.num_layers, config["num_heads"], config["d_model"] // config["num_heads"]
-        per_sentence = {name: encoded[name] for name in ["memory_mask", *cross_names(n)]}
-        past = {name: np.zeros((batch * beam, heads, 0, depth), np.float32) for name in past_names(n)}
-
+        results = (
+            np.full((batch, beam, max_len), pad, np.int32),
+            np.full((batch, beam), NEG_INF, np.float32),
+            np.full((batch, beam), NEG_INF, np.float32),
+        )
         sentences = np.arange(batch)  # input index of each sentence still in the loop
         alive = np.full((batch, beam, max_len), pad, np.int32)
         alive_log_probs = np.tile(np.array([0.0] + [NEG_INF] * (beam - 1), np.float32), (batch, 1))
         last = np.full((batch * beam,), config["bos_id"], np.int32)
         finished = alive.copy()
         finished_scores = np.full((batch, beam), NEG_INF, np.float32)
-        output_names = [o.name for o in self.decoder.get_outputs()]
+        finished_log_probs = finished_scores.copy()
         for step in range(max_len):
             rows = np.arange(len(sentences))[:, None]
-            outputs = dict(
-                zip(output_names, self.decoder.run(None, {"token_ids": last, **per_sentence, **past}))
-            )
-            log_probs = outputs["log_probs"].reshape(len(sentences), beam, -1)
-            if step == 0:  # the vocabulary's masks, once
-                vocab = log_probs.shape[-1]
-                ids = np.arange(vocab)
-                never = np.isin(ids, [config[name] for name in policy.NEVER_OUTPUT])
-            is_last = (step >= limits - 1)[:, None, None]
-            log_probs = np.where(
-                np.logical_or(never, np.logical_and(is_last, ids != eos)), NEG_INF, log_probs
-            )
+            outputs = self.step(last, per_sentence, past)
+            log_probs = self.log_probs(outputs, alive, step, limits, prefix)
             candidates = (alive_log_probs[:, :, None] + log_probs).reshape(len(sentences), -1)
             top_index = _top_k(candidates, beam)
             top_log_probs = np.take_along_axis(candidates, top_index, axis=1)
-            origin, tokens = top_index // vocab, (top_index % vocab).astype(np.int32)
+            origin, tokens = top_index // self.vocab, (top_index % self.vocab).astype(np.int32)
             alive = np.take_along_axis(alive, origin[:, :, None], axis=1)
             alive[:, :, step] = tokens
             is_eos = tokens == eos
 
             eos_log_probs = np.where(is_eos, top_log_probs, NEG_INF).astype(np.float32)
             pool_scores = np.concatenate([finished_scores, eos_log_probs / self.penalty(step + 1)], axis=1)
+            pool_log_probs = np.concatenate([finished_log_probs, eos_log_probs], axis=1)
             pool = np.concatenate([finished, alive], axis=1)
             keep = _top_k(pool_scores, beam)
             finished_scores = np.take_along_axis(pool_scores, keep, axis=1)
+            finished_log_probs = np.take_along_axis(pool_log_probs, keep, axis=1)
             finished = pool[rows, keep]
             alive_log_probs = np.where(is_eos, NEG_INF, top_log_probs).astype(np.float32)
             done = policy.search_is_final(
                 step + 1, limits.astype(np.float32), alive_log_probs, finished_scores, self.alpha, np
             )
-            results[0][sentences[done]] = finished[done, 0]
-            results[1][sentences[done]] = finished_scores[done, 0]
+            for result, value in zip(results, (finished, finished_scores, finished_log_probs)):
+                result[sentences[done]] = value[done]
             staying = np.flatnonzero(~done)
             flat_origin = (rows * beam + origin)[staying].reshape(-1)
+            n = self.owner.num_layers
             for name, present in zip(past_names(n), present_names(n)):
                 past[name] = outputs[present][flat_origin]  # one gather: beam origins of the staying
             if not len(staying):
-                return results
+                break
             if done.any():
                 per_sentence = {name: value[staying] for name, value in per_sentence.items()}
                 sentences, limits = sentences[staying], limits[staying]
+                prefix = None if prefix is None else prefix[staying]
                 alive, alive_log_probs = alive[staying], alive_log_probs[staying]
                 finished, finished_scores = finished[staying], finished_scores[staying]
+                finished_log_probs = finished_log_probs[staying]
             last = tokens[staying].reshape(-1)
-        results[0][sentences] = finished[:, 0]
-        results[1][sentences] = finished_scores[:, 0]
-        return results
+        else:
+            for result, value in zip(results, (finished, finished_scores, finished_log_probs)):
+                result[sentences] = value
+        count = self.options.num_return
+        return tuple(result[:, :count] for result in results)
+
+    def sample(self, sentence_ids):
+        """`num_return` samples per sentence, token by token (`search._sample` in NumPy)."""
+        config, options, max_len = self.config, self.options, self.max_len
+        n, pad, eos = options.num_return, config["pad_id"], config["eos_id"]
+        rows = self.batch * n
+        sentence_keys, sample_keys = np.repeat(sentence_ids, n), np.tile(np.arange(n), self.batch)
+        limits = np.repeat(self.limits, n)
+        prefix = None if self.prefix is None else np.repeat(self.prefix, n, axis=0)
+        past = self.past(rows)
+        tokens = np.full((rows, max_len), pad, np.int32)
+        last = np.full((rows,), config["bos_id"], np.int32)
+        total = np.zeros((rows,), np.float32)
+        finished = np.zeros((rows,), bool)
+        for step in range(max_len):
+            if finished.all():
+                break
+            outputs = self.step(last, self.per_sentence, past)
+            log_probs = self.log_probs(outputs, tokens[:, None], step, limits, prefix)[:, 0]
+            keys = sampling.row_keys(options.seed, sentence_keys, sample_keys, step, np)
+            chosen = sampling.sample(
+                log_probs, keys, options.sampling_topk, np.float32(options.sampling_topp),
+                np.float32(options.sampling_temperature), np,
+            )  # fmt: skip
+            chosen_log_probs = np.take_along_axis(log_probs, chosen[:, None], axis=-1)[:, 0]
+            chosen = np.where(finished, pad, chosen).astype(np.int32)
+            total = (total + np.where(finished, np.float32(0.0), chosen_log_probs)).astype(np.float32)
+            tokens[:, step] = chosen
+            finished |= chosen == eos
+            n_layers = self.owner.num_layers
+            past = {
+                name: outputs[present] for name, present in zip(past_names(n_layers), present_names(n_layers))
+            }
+            last = chosen
+        lengths = np.sum(tokens != pad, axis=1).astype(np.float32)
+        scores = (total / self.penalty(lengths)).astype(np.float32)
+        shape = (self.batch, n)
+        return tokens.reshape(*shape, max_len), scores.reshape(shape), total.reshape(shape)
 
 
 def _top_k(values, k):

@@ -12,6 +12,11 @@ stock `tensorflow/serving` binary includes) and these signatures:
 | `serving_default` | `text` string (-1)                 | `translation` string (-1), `score` float32 (-1)  |
 | `translate_ids`   | `source_ids` int32 (-1, -1)        | `target_ids` int32 (-1, -1), `scores` float32 (-1) |
 | `score`           | `source`, `target` string (-1)     | `log_likelihood` float32 (-1)                    |
+| `translate_with_options` | `text`, `target_prefix` string (-1), `suppress_sequences` string (-1), one scalar per `DecodingOptions` field | `translations`, `alignments` string (-1, n), `scores`, `log_probs` float32 (-1, n) |
+
+`serving_default` and `translate_ids` decode with the export's options;
+`translate_with_options` takes them per request (TF Serving needs every input
+of a signature: docs/decoding.md shows a REST request with the defaults).
 
 Loading needs only `tensorflow` and `tensorflow_text` (for its ops):
 
@@ -21,9 +26,9 @@ Loading needs only `tensorflow` and `tensorflow_text` (for its ops):
 
 Input handling in `serving_default` and `score`: invalid UTF-8 bytes become
 U+FFFD; text is NFKC-normalized by the tokenizer; a source longer than the
-model's `max_length` pieces is truncated to it (EOS kept last); an empty or
-whitespace-only string translates like an empty sentence. Every input gives
-exactly one output.
+model's `max_length` pieces is truncated to it (EOS kept last); a string with
+no content (empty, spaces, tabs, control characters) translates to "" with
+score 0, without a search. Every input gives exactly one output.
 """
 
 import os
@@ -43,7 +48,12 @@ from keras_transformer_export.tf_serving import (
     write_warmup_requests,
 )
 
-SIGNATURES = (("serving_default", "translate_text"), ("translate_ids", "translate_ids"), ("score", "score"))
+SIGNATURES = (
+    ("serving_default", "translate_text"),
+    ("translate_ids", "translate_ids"),
+    ("score", "score"),
+    ("translate_with_options", "translate_with_options"),
+)
 
 
 def export_saved_model(graphs, out_dir, name, version=None, overwrite=False):

@@ -50,8 +50,11 @@ WARMUP_SENTENCES = (
 
 def warmup_requests(graphs, model_name):
     """`PredictRequest`s for `graphs` (a `TranslationGraphs`) as TF Serving will receive them."""
+    import numpy as np
     import tensorflow as tf
     from tensorflow_serving.apis import predict_pb2
+
+    from keras_transformer.decoding.translator import option_tensors
 
     def request(signature, **inputs):
         message = predict_pb2.PredictRequest()
@@ -69,6 +72,13 @@ def warmup_requests(graphs, model_name):
         request("serving_default", text=[full_length]),
         request("translate_ids", source_ids=source_ids),
         request("score", source=list(WARMUP_SENTENCES[:2]), target=list(WARMUP_SENTENCES[:2])),
+        request(
+            "translate_with_options",
+            text=list(WARMUP_SENTENCES[:2]),
+            target_prefix=["", ""],
+            suppress_sequences=np.zeros((0,), object),
+            **{name: value.numpy() for name, value in option_tensors(graphs.options).items()},
+        ),
     ]
 
 

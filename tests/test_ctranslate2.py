@@ -145,7 +145,8 @@ def test_translations_match_keras(beam_size, exports, run_parts, sentences):
     keras_translator = Translator(model, tokenizer, beam_size=beam_size, length_penalty=alpha)
     # One batch (what `translate` computes, without its length-sorted batching): the ids too.
     source_ids = keras_translator.encode(sentences).numpy()
-    ids, keras_scores = (t.numpy() for t in keras_translator._search(source_ids))
+    found = keras_translator.search_ids(source_ids)
+    ids, keras_scores = found.ids.numpy()[:, 0], found.scores.numpy()[:, 0]
     keras_texts = [t.decode("utf-8") for t in tokenizer.decode(ids).numpy()]
     texts, scores = CTranslate2Translator(
         exports["float32"], beam_size=beam_size, length_penalty=alpha, intra_threads=1

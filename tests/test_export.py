@@ -351,7 +351,8 @@ def test_onnx_runtime_matches_keras(exported, trained_run, sentences, cli_transl
     # 2, 3. translate.onnx and encoder + decoder_step: the same tokens as Keras's beam search.
     translator = Translator(model, tokenizer)
     source_ids = translator.encode(sentences).numpy()
-    keras_ids, keras_scores = (t.numpy() for t in translator._search(source_ids))
+    found = translator.search_ids(source_ids)
+    keras_ids, keras_scores = found.ids.numpy()[:, 0], found.scores.numpy()[:, 0]
     for search in (FullGraphSearch(onnx_dir), SplitBeamSearch(onnx_dir)):
         ids, scores = search(source_ids)
         np.testing.assert_array_equal(ids, keras_ids)

@@ -14,8 +14,15 @@ translator, which re-ranks CTranslate2's hypotheses with `length_penalty`
 array namespace `xp` (`numpy` or `keras.ops`; the functions they call have
 the same names and meaning in both).
 
+The rules here are those every request obeys; the optional controls a request
+can switch on (target prefix, banned sequences, n-gram and repetition limits)
+are in `keras_transformer.decoding.controls`, random sampling in
+`keras_transformer.decoding.sampling`, the same way.
+
 Shape legend: sentences = sentences still searched, beam = beam_size.
 """
+
+import unicodedata
 
 BEAM_SIZE = 4  # §6.1
 LENGTH_PENALTY = 0.6  # α of `length_penalty`, §6.1
@@ -46,10 +53,66 @@ def output_limits(source_lengths, max_length, xp, max_extra_length=MAX_EXTRA_LEN
     return xp.clip(source_lengths + max_extra_length, 1, max_length)  # (sentences,)
 
 
+# `<unk>`: the id of the characters a vocabulary lacks (the tokenizer's; the model's config
+# names the other special ids). `disable_unk` bans it; an empty source may not hold it.
+UNK_ID = 1
+
 # The special ids no search outputs (names of `TransformerConfig` fields): padding, and BOS (a
 # generated pad would also make cached decoding, which has no target padding mask, differ from a
 # full forward pass). EOS is forced at a sentence's last allowed position (`output_limits`).
 NEVER_OUTPUT = ("pad_id", "bos_id")
+
+
+def constrain(log_probs, step, limits, never, is_eos, min_length, xp):
+    """One step's log-probabilities with the output rules applied: impossible ids get `NEG_INF`.
+
+    - the ids in `never` (`NEVER_OUTPUT`, plus a request's banned single tokens) are impossible;
+    - EOS is impossible before `min_length` output tokens (EOS included), and
+    - at a sentence's last allowed step EOS is the only possibility (this wins over `min_length`).
+
+    The other log-probabilities are kept as they are (not renormalized, as fairseq does), so a
+    hypothesis's score stays the model's log-probability of it.
+
+    Args:
+        log_probs: float32 `(sentences, vocab)` or `(sentences, beam, vocab)`.
+        step: output tokens decoded so far (scalar).
+        limits: int `(sentences,)`, `output_limits`.
+        never: bool `(vocab,)`; is_eos: bool `(vocab,)`.
+        min_length: int scalar (0 or 1: no minimum).
+        xp: `numpy` or `keras.ops`.
+    """
+    rank = len(log_probs.shape)
+    last = xp.reshape(xp.greater_equal(step, limits - 1), (-1,) + (1,) * (rank - 1))  # (sentences, 1[, 1])
+    early = xp.logical_and(xp.less(step, min_length - 1), xp.logical_not(last))
+    banned = xp.where(is_eos, early, xp.logical_or(last, never))  # (sentences, 1[, 1], vocab)
+    return xp.where(banned, NEG_INF, log_probs)
+
+
+def blank_piece(piece):
+    """Whether a SentencePiece piece carries no content: only the word boundary `▁`, whitespace,
+    or control and format characters (a byte-fallback piece `<0x..>` of an ASCII control byte or
+    space too). The special pieces are judged by `blank_ids`."""
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        byte = int(piece[3:5], 16)
+        return byte <= 0x20 or byte == 0x7F
+    return all(
+        character.isspace() or unicodedata.category(character) in ("Cc", "Cf", "Zs", "Zl", "Zp")
+        for character in piece.replace("\u2581", " ")
+    )
+
+
+def blank_ids(pieces, unk_id):
+    """`(vocab,)` list of bools: the ids an empty source may consist of (`blank_piece`, and
+    every special id but `<unk>`, which stands for a character the vocabulary lacks)."""
+    specials = ("<pad>", "<s>", "</s>")
+    return [i != unk_id and (piece in specials or blank_piece(piece)) for i, piece in enumerate(pieces)]
+
+
+def empty_sources(source_ids, blank, xp):
+    """Which sources have no content `(batch,)` bool: every id is blank (`blank_ids`, as an
+    array `(vocab,)`; padding and EOS are). Such a source is not searched: its translation is
+    empty (EOS alone) with score 0, in every runtime. `source_ids` must be in the vocabulary."""
+    return xp.all(xp.take(blank, source_ids, axis=0), axis=1)
 
 
 def search_is_final(step, limits, alive_log_probs, finished_scores, alpha, xp):

@@ -38,6 +38,8 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_transformer.decoding import controls as rules
+from keras_transformer.decoding import sampling
 from keras_transformer.decoding.policy import (
     BEAM_SIZE,
     CACHE_POLICIES,
@@ -45,13 +47,15 @@ from keras_transformer.decoding.policy import (
     MAX_EXTRA_LENGTH,
     NEG_INF,
     NEVER_OUTPUT,
+    UNK_ID,
+    constrain,
     length_penalty,
     output_limits,
     search_is_final,
 )
 from keras_transformer.layers.dropout import in_xla_computation
 from keras_transformer.layers.masks import padding_mask
-from keras_transformer.layers.portable_ops import gather_rows, write_at
+from keras_transformer.layers.portable_ops import argmax, gather_rows, write_at
 from keras_transformer.utils.checks import check_positive_int
 
 
@@ -95,7 +99,11 @@ def _while_loop(cond, body, loop_vars, shapes_change):
 
         loop_vars = tf.nest.map_structure(tf.convert_to_tensor, tuple(loop_vars))
         invariants = tf.nest.map_structure(_changing_shape, loop_vars)
-        return tf.while_loop(cond, lambda *v: tuple(body(*v)), loop_vars, shape_invariants=invariants)
+
+        def as_tuple(*values):
+            return tuple(body(*values))
+
+        return tf.while_loop(cond, as_tuple, loop_vars, shape_invariants=invariants)
     loop_vars = tuple(loop_vars)
     while bool(ops.convert_to_numpy(cond(*loop_vars))):
         loop_vars = tuple(body(*loop_vars))
@@ -137,6 +145,44 @@ class Translations(NamedTuple):
     log_probs: object
 
 
+class Controls(NamedTuple):
+    """The per-step controls of one request (`keras_transformer.decoding.controls`), as arrays.
+
+    target_prefix: int32 `(batch, width)` padded with `pad_id` (width >= 1), or None.
+    suppress_sequences: int32 `(count, width)` padded with `pad_id`, or None (their one-token
+        sequences are banned through `_Setup`'s `never`; the longer ones here).
+    no_repeat_ngram_size: int (0: off); repetition_penalty: float (1.0: off).
+
+    Python numbers for the off values let the search leave a control out of the
+    graph; tensors (an exported graph's inputs) are applied whatever their value,
+    where a value that is off changes nothing.
+    """
+
+    target_prefix: object = None
+    suppress_sequences: object = None
+    no_repeat_ngram_size: object = 0
+    repetition_penalty: object = 1.0
+
+    @staticmethod
+    def lengths(padded, pad_id):
+        """Tokens per row of a padded `(rows, width)` array: `(rows,)` int32."""
+        return ops.sum(ops.cast(ops.not_equal(padded, pad_id), "int32"), axis=1)
+
+    def any_on(self):
+        """Whether some control acts (a Python bool: the options must be Python values)."""
+        return (
+            self.target_prefix is not None
+            or self.suppress_sequences is not None
+            or self.no_repeat_ngram_size != 0
+            or self.repetition_penalty != 1.0
+        )
+
+
+def _on(value, off):
+    """Whether a control with `value` may act: False only for a Python `off` value."""
+    return not (isinstance(value, (bool, int, float)) and value == off)
+
+
 @_inference
 def greedy_search(
     model,
@@ -166,7 +212,19 @@ def greedy_search(
     """
     setup = _Setup(model, source_ids, max_length, max_extra_length, min_length)
     decoder = _make_decoder(model, setup, 1, use_cache, cache_policy)
-    batch, config = setup.batch, model.config
+    tokens, log_probs = _token_by_token(setup, decoder, _most_probable, Controls())
+    return Translations(tokens, log_probs, log_probs)
+
+
+def _most_probable(step_log_probs, step):
+    return argmax(step_log_probs)
+
+
+def _token_by_token(setup, decoder, choose, controls):
+    """The greedy loop: one token per sentence and step, chosen by `choose(log_probs (batch,
+    vocab), step) -> (batch,)` among what the rules and `controls` allow. Returns the tokens
+    `(batch, max_len)` and their summed log-probabilities `(batch,)`."""
+    batch, config = setup.batch, setup.config
     tokens = ops.full((batch, setup.max_len), config.pad_id, "int32")
     state = (
         ops.zeros((), "int32"),
@@ -176,14 +234,18 @@ def greedy_search(
         ops.zeros((batch,), "bool"),
         decoder.initial_state(),
     )
+    prefix = setup.prefix_state(controls)
 
     def cond(step, tokens, last, log_probs, finished, decoder_state):
         return ops.logical_and(step < setup.max_len, ops.logical_not(ops.all(finished)))
 
     def body(step, tokens, last, log_probs, finished, decoder_state):
         logits, decoder_state = decoder.step(last, tokens, step, decoder_state)
-        step_log_probs = setup.constrain(ops.log_softmax(logits, axis=-1), step)  # (batch, vocab)
-        next_tokens = ops.cast(ops.argmax(step_log_probs, axis=-1), "int32")
+        step_log_probs = setup.step_log_probs(
+            logits[:, None], tokens[:, None], step, setup.limits, controls, *prefix
+        )
+        step_log_probs = step_log_probs[:, 0]  # (batch, vocab)
+        next_tokens = choose(step_log_probs, step)
         next_log_probs = ops.take_along_axis(step_log_probs, next_tokens[:, None], axis=-1)[:, 0]
         next_tokens = ops.where(finished, config.pad_id, next_tokens)
         log_probs = log_probs + ops.where(finished, 0.0, next_log_probs)
@@ -192,7 +254,112 @@ def greedy_search(
         return step + 1, tokens, next_tokens, log_probs, finished, decoder_state
 
     _, tokens, _, log_probs, _, _ = _while_loop(cond, body, state, decoder.grows)
-    return Translations(tokens, log_probs, log_probs)
+    return tokens, log_probs
+
+
+@_inference
+def sample(
+    model,
+    source_ids,
+    num_return=1,
+    sampling_topk=0,
+    sampling_topp=1.0,
+    sampling_temperature=1.0,
+    seed=0,
+    sentence_ids=None,
+    length_penalty=LENGTH_PENALTY,
+    max_extra_length=MAX_EXTRA_LENGTH,
+    min_length=0,
+    max_length=None,
+    use_cache=True,
+    cache_policy="auto",
+    **controls,
+):
+    """`num_return` random samples per sentence (`keras_transformer.decoding.sampling`), one
+    token at a time like greedy search, under the same rules and controls as `beam_search`
+    (`controls`: its `disable_unk`, `suppress_sequences`, `target_prefix`,
+    `no_repeat_ngram_size`, `repetition_penalty`).
+
+    Sample k of the sentence with request index i is a function of `(seed, i, k)`:
+    `sentence_ids` `(batch,)` gives each row's index in the request (default its row),
+    so a sentence gets the same samples in any batch. `sampling_topk` 0 samples
+    from the whole vocabulary, K from the K likeliest tokens (1 is greedy search).
+
+    Returns:
+        `Translations` with ids `(batch, num_return, max_len)`, scores `(batch,
+        num_return)` (log-probability / GNMT penalty with `length_penalty`, as beam
+        search's) and log_probs, in sample order.
+    """
+    if isinstance(num_return, int):
+        check_positive_int("num_return", num_return)
+    banned, controls = _controls(model.config, **controls)
+    return _sample(
+        model, source_ids, num_return, sampling_topk, sampling_topp, sampling_temperature, seed,
+        sentence_ids, length_penalty, max_extra_length, min_length, max_length, use_cache, cache_policy,
+        banned, controls,
+    )  # fmt: skip
+
+
+def _sample(
+    model, source_ids, num_return, topk, topp, temperature, seed, sentence_ids, alpha, max_extra_length,
+    min_length, max_length, use_cache, cache_policy, banned, controls,
+):  # fmt: skip
+    disable_unk, banned = banned
+    setup = _Setup(
+        model, source_ids, max_length, max_extra_length, min_length, disable_unk, banned, repeat=num_return
+    )
+    decoder = _make_decoder(model, setup, 1, use_cache, cache_policy)
+    batch = ops.shape(setup.source_ids)[0]
+    if sentence_ids is None:
+        sentence_ids = ops.arange(batch, dtype="int32")
+    sentence_keys = ops.repeat(ops.cast(sentence_ids, "int32"), num_return, axis=0)  # (rows,)
+    sample_keys = ops.tile(ops.arange(num_return, dtype="int32"), [batch])
+
+    def choose(step_log_probs, step):
+        keys = sampling.row_keys(seed, sentence_keys, sample_keys, step, ops)
+        return sampling.sample(step_log_probs, keys, topk, topp, temperature, ops)
+
+    tokens, log_probs = _token_by_token(setup, decoder, choose, controls)
+    lengths = ops.sum(ops.cast(ops.not_equal(tokens, model.config.pad_id), "float32"), axis=1)
+    scores = log_probs / length_penalty_of(lengths, alpha)
+    shape = (batch, num_return)
+    return Translations(
+        ops.reshape(tokens, (*shape, -1)), ops.reshape(scores, shape), ops.reshape(log_probs, shape)
+    )
+
+
+def length_penalty_of(lengths, alpha):
+    """`policy.length_penalty` of float32 lengths with α a Python number or a tensor."""
+    return length_penalty(lengths, alpha if isinstance(alpha, (int, float)) else ops.cast(alpha, "float32"))
+
+
+def token_array(lists, pad_id):
+    """Token lists (a list of lists of ids, or an int array `(rows, width)` padded with `pad_id`)
+    as an int32 array `(rows, width >= 1)`; None stays None."""
+    if lists is None:
+        return None
+    if isinstance(lists, (list, tuple)):
+        rows = rules.padded_token_lists(lists, pad_id)
+        return np.array(rows, np.int32).reshape(len(rows), len(rows[0]) if rows else 1)
+    array = ops.cast(ops.convert_to_tensor(lists), "int32")
+    if array.shape[1] is None or array.shape[1] == 0:  # a padding column, so that column 0 exists
+        array = ops.pad(array, [[0, 0], [0, 1]], constant_values=pad_id)
+    return array
+
+
+def _controls(config, disable_unk=False, suppress_sequences=None, target_prefix=None, **per_step):
+    """`((disable_unk, banned sequences), Controls)` of `beam_search`'s control arguments: the
+    banned sequences (all of them: their one-token ones go into the never mask) and the
+    `Controls` acting at every step (the sequences only where some has 2 or more tokens)."""
+    unknown = sorted(set(per_step) - {"no_repeat_ngram_size", "repetition_penalty"})
+    if unknown:
+        raise TypeError(f"unexpected decoding control(s) {unknown}.")
+    banned = token_array(suppress_sequences, config.pad_id)
+    per_token = banned
+    if isinstance(banned, np.ndarray) and not np.any(np.sum(banned != config.pad_id, axis=1) > 1):
+        per_token = None  # only one-token sequences: the never mask has them all
+    controls = Controls(token_array(target_prefix, config.pad_id), per_token, **per_step)
+    return (disable_unk, banned), controls
 
 
 @_inference
@@ -207,6 +374,7 @@ def beam_search(
     min_length=0,
     use_cache=True,
     cache_policy="auto",
+    **controls,
 ):
     """Beam search with the GNMT length penalty and a pool of finished hypotheses (§6.1).
 
@@ -231,32 +399,62 @@ def beam_search(
         use_cache: incremental decoding with the key/value cache.
         cache_policy: `"auto"`, `"growing"` (finished sentences also leave
             the batch) or `"fixed"` (module docstring).
+        **controls: `disable_unk` (bool), `suppress_sequences` (token lists, or an
+            int array `(count, width)` padded with `pad_id`), `target_prefix` (one token
+            list per sentence, or `(batch, width)` padded), `no_repeat_ngram_size` (int),
+            `repetition_penalty` (float), as `keras_transformer.decoding.controls` defines
+            them. Python values that are off leave the control out of the graph.
 
     Returns:
         `Translations`, best first; ids `(batch, max_len)` for `num_return=1`,
-        else `(batch, num_return, max_len)`.
+        else `(batch, num_return, max_len)` (also for a tensor `num_return`).
     """
     check_positive_int("beam_size", beam_size)
-    check_positive_int("num_return", num_return)
-    if num_return > beam_size:
-        raise ValueError(f"num_return={num_return} must be <= beam_size={beam_size}.")
-    if not length_penalty >= 0:
+    if isinstance(num_return, int):
+        check_positive_int("num_return", num_return)
+        if num_return > beam_size:
+            raise ValueError(f"num_return={num_return} must be <= beam_size={beam_size}.")
+    if isinstance(length_penalty, (int, float)) and not length_penalty >= 0:
         raise ValueError(f"length_penalty must be a number >= 0; got {length_penalty!r}.")
-    setup = _Setup(model, source_ids, max_length, max_extra_length, min_length)
-    decoder = _make_decoder(model, setup, beam_size, use_cache, cache_policy)
-    search = _BeamSearch(model, setup, decoder, beam_size, length_penalty)
-    ids, scores, log_probs = search.run()
-    if num_return == 1:
+    banned, controls = _controls(model.config, **controls)
+    ids, scores, log_probs = _beam(
+        model, source_ids, beam_size, length_penalty, max_extra_length, max_length, min_length,
+        use_cache, cache_policy, banned, controls,
+    )  # fmt: skip
+    if isinstance(num_return, int) and num_return == 1:
         return Translations(ids[:, 0], scores[:, 0], log_probs[:, 0])
     return Translations(ids[:, :num_return], scores[:, :num_return], log_probs[:, :num_return])
 
 
-class _Setup:
-    """Encodes the source once and works out the output length limits."""
+def _beam(
+    model, source_ids, beam_size, alpha, max_extra_length, max_length, min_length, use_cache, cache_policy,
+    banned, controls,
+):  # fmt: skip
+    """The beam search's whole pools, `(batch, beam, max_len)` ids and `(batch, beam)` scores
+    and log-probabilities, best first."""
+    disable_unk, banned = banned
+    setup = _Setup(model, source_ids, max_length, max_extra_length, min_length, disable_unk, banned)
+    decoder = _make_decoder(model, setup, beam_size, use_cache, cache_policy)
+    return _BeamSearch(model, setup, decoder, beam_size, alpha, controls).run()
 
-    def __init__(self, model, source_ids, max_length, max_extra_length, min_length):
+
+class _Setup:
+    """Encodes the source once, works out the output length limits, and applies the rules of
+    `policy.constrain` and the `Controls` to each step's logits."""
+
+    def __init__(
+        self,
+        model,
+        source_ids,
+        max_length,
+        max_extra_length,
+        min_length,
+        disable_unk=False,
+        banned_sequences=None,
+        repeat=1,
+    ):
         for name, value in (("max_extra_length", max_extra_length), ("min_length", min_length)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            if isinstance(value, (bool, float)) or (isinstance(value, int) and value < 0):
                 raise ValueError(f"{name} must be an integer >= 0; got {value!r}.")
         self.min_length = min_length
         if max_length is not None:
@@ -266,14 +464,18 @@ class _Setup:
         self.source_ids = ops.cast(ops.convert_to_tensor(source_ids), "int32")
         if len(self.source_ids.shape) != 2:
             raise ValueError(f"source_ids must have shape (batch, length); got {self.source_ids.shape}.")
-        self.batch = ops.shape(self.source_ids)[0]
         self.memory_mask = padding_mask(self.source_ids, config.pad_id)  # (batch, 1, len_src)
         self.memory = model.encode(self.source_ids, training=False)  # (batch, len_src, d_model)
+        lengths = ops.sum(ops.cast(ops.not_equal(self.source_ids, config.pad_id), "int32"), axis=1)
+        if not (isinstance(repeat, int) and repeat == 1):  # rows = sentences x repeat
+            self.memory_mask, self.memory, lengths = (
+                ops.repeat(t, repeat, axis=0) for t in (self.memory_mask, self.memory, lengths)
+            )
+        self.batch = ops.shape(self.memory)[0]
         if max_length is None:  # (batch,) tokens incl. EOS
-            lengths = ops.sum(ops.cast(ops.not_equal(self.source_ids, config.pad_id), "int32"), axis=1)
             self.limits = output_limits(lengths, config.max_length, ops, max_extra_length)
             source_length = self.source_ids.shape[1]
-            if source_length is None:  # unknown until run time (exported graphs)
+            if source_length is None or not isinstance(max_extra_length, int):  # known at run time
                 source_length = ops.shape(self.source_ids)[1]
                 self.max_len = output_limits(source_length, config.max_length, ops, max_extra_length)
             else:  # a Python int: static shapes for XLA
@@ -283,27 +485,53 @@ class _Setup:
             self.max_len = min(max_length, config.max_length)
         ids = ops.arange(config.target_vocab)
         self.is_eos = ops.equal(ids, config.eos_id)  # (vocab,)
-        self.not_eos = ops.logical_not(self.is_eos)
         never = [ops.equal(ids, getattr(config, name)) for name in NEVER_OUTPUT]  # policy.NEVER_OUTPUT
+        if _on(disable_unk, False):
+            never.append(ops.logical_and(disable_unk, ops.equal(ids, UNK_ID)))
+        if banned_sequences is not None:  # their one-token sequences: banned at every step
+            lengths = Controls.lengths(banned_sequences, config.pad_id)
+            never.append(rules.single_token_bans(banned_sequences, lengths, config.target_vocab, ops))
         self.never = functools.reduce(ops.logical_or, never)
+        self.repeat = repeat
 
-    def constrain(self, log_probs, step, limits=None):
-        """Applies the output rules to one step's log-probabilities.
+    def prefix_state(self, controls):
+        """`(prefix, prefix_lengths)` per row of the loop, or `()` without a prefix."""
+        prefix = controls.target_prefix
+        if prefix is None:
+            return ()
+        prefix = ops.cast(ops.convert_to_tensor(prefix), "int32")
+        if not (isinstance(self.repeat, int) and self.repeat == 1):
+            prefix = ops.repeat(prefix, self.repeat, axis=0)
+        return prefix, Controls.lengths(prefix, self.config.pad_id)
 
-        Pad and BOS are impossible; EOS is impossible before `min_length`
-        tokens, and the only possibility at a sentence's last allowed step.
-        The other log-probabilities are not renormalized (as fairseq does).
-        log_probs: `(batch, vocab)` or `(batch, beam, vocab)`; `limits`
-        `(batch,)`, default every sentence's (`self.limits`).
+    def step_log_probs(self, logits, history, step, limits, controls, prefix=None, prefix_lengths=None):
+        """One step's log-probabilities `(sentences, beam, vocab)` from the decoder's logits
+        `(sentences * beam, vocab)` or `(sentences, beam, vocab)`, with every rule applied.
+
+        Without controls, exactly the rules of `policy.constrain`; with them, the
+        repetition penalty on the logits, then the rules, the n-gram and sequence bans
+        and the prefix (`keras_transformer.decoding.controls`). `history` `(sentences,
+        beam, max_len)`: the tokens so far.
         """
-        limits = self.limits if limits is None else limits
-        last = ops.greater_equal(step, limits - 1)  # (batch,)
-        last = ops.reshape(last, (-1,) + (1,) * (len(log_probs.shape) - 1))
-        log_probs = ops.where(self.never, NEG_INF, log_probs)
-        if self.min_length > 1:
-            too_early = ops.logical_and(self.is_eos, step < self.min_length - 1)
-            log_probs = ops.where(too_early, NEG_INF, log_probs)
-        return ops.where(ops.logical_and(last, self.not_eos), NEG_INF, log_probs)
+        sentences, beam = ops.shape(limits)[0], ops.shape(history)[1]
+        vocab = self.config.target_vocab
+        penalty = controls.repetition_penalty
+        if _on(penalty, 1.0):
+            logits = ops.reshape(logits, (sentences, beam, vocab))
+            logits = rules.repetition_penalized(logits, history, step, ops.cast(penalty, logits.dtype), ops)
+        raw = ops.reshape(ops.log_softmax(logits, axis=-1), (sentences, beam, vocab))
+        log_probs = constrain(raw, step, limits, self.never, self.is_eos, self.min_length, ops)
+        if _on(controls.no_repeat_ngram_size, 0):
+            banned = rules.repeated_ngram_ends(history, step, controls.no_repeat_ngram_size, vocab, ops)
+            log_probs = ops.where(banned, NEG_INF, log_probs)
+        sequences = controls.suppress_sequences
+        if sequences is not None:
+            lengths = Controls.lengths(sequences, self.config.pad_id)
+            banned = rules.sequence_ends(history, step, sequences, lengths, vocab, ops)
+            log_probs = ops.where(banned, NEG_INF, log_probs)
+        if prefix is not None:
+            log_probs = rules.forced_prefix(log_probs, raw, step, prefix, prefix_lengths, ops)
+        return log_probs
 
 
 def _take_per_sentence(tensor, index):
@@ -402,9 +630,11 @@ class _BeamSearch:
         "finished_log_probs", "done",
     )  # fmt: skip
 
-    def __init__(self, model, setup, decoder, beam_size, length_penalty):
+    def __init__(self, model, setup, decoder, beam_size, alpha, controls):
         self.config, self.setup, self.decoder = model.config, setup, decoder
-        self.beam_size, self.alpha = beam_size, float(length_penalty)
+        self.beam_size, self.controls = beam_size, controls
+        self.alpha = float(alpha) if isinstance(alpha, (int, float)) else ops.cast(alpha, "float32")
+        self.prefix_keys = () if controls.target_prefix is None else ("prefix", "prefix_lengths")
 
     def penalty(self, length):
         """`policy.length_penalty` of an int length."""
@@ -427,16 +657,18 @@ class _BeamSearch:
             finished_log_probs=no_scores,
             done=ops.zeros((batch,), "bool"),
             decoder_state=self.decoder.initial_state(),
+            **dict(zip(self.prefix_keys, self.setup.prefix_state(self.controls))),
         )
         if self.decoder.grows:  # the finished pools of the sentences that left, in input order
             state["results"] = (sequences, no_scores, no_scores)
-        final = _while_loop(
-            lambda s: self._not_done(s), lambda s: (self._step(s),), (state,), self.decoder.grows
-        )[0]
+        final = _while_loop(self._not_done, self._body, (state,), self.decoder.grows)[0]
         if not self.decoder.grows:
             return final["finished"], final["finished_scores"], final["finished_log_probs"]
         # The sentences still in the loop (stopped by max_len) join the results.
         return self._write_results(final, ops.arange(ops.shape(final["sentences"])[0], dtype="int32"))
+
+    def _body(self, state):
+        return (self._step(state),)
 
     def _not_done(self, state):
         return ops.logical_and(state["step"] < self.setup.max_len, ops.logical_not(ops.all(state["done"])))
@@ -450,8 +682,8 @@ class _BeamSearch:
         beam, step, limits = self.beam_size, state["step"], state["limits"]
         sentences = ops.shape(limits)[0]
         logits, decoder_state = self.decoder.step(state["last"], state["alive"], step, state["decoder_state"])
-        log_probs = ops.reshape(ops.log_softmax(logits, axis=-1), (sentences, beam, -1))
-        log_probs = self.setup.constrain(log_probs, step, limits)
+        prefix = [state[key] for key in self.prefix_keys]
+        log_probs = self.setup.step_log_probs(logits, state["alive"], step, limits, self.controls, *prefix)
         vocab = ops.shape(log_probs)[-1]
         candidates = ops.reshape(state["alive_log_probs"][:, :, None] + log_probs, (sentences, -1))
         top_log_probs, top_index = ops.top_k(candidates, k=beam)  # (sentences, beam)
@@ -504,7 +736,7 @@ class _BeamSearch:
         state = dict(
             state, results=self._write_results(state, ops.cast(ops.where(state["done"])[0], "int32"))
         )
-        for key in self.SENTENCE_KEYS + ("last",):
+        for key in self.SENTENCE_KEYS + self.prefix_keys + ("last",):
             state[key] = gather_rows(state[key], staying)
         state["decoder_state"] = self.decoder.select_sentences(state["decoder_state"], staying)
         return state

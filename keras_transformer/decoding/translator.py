@@ -6,12 +6,26 @@ then put back in input order. A source longer than the model's `max_length`
 ids is truncated to it (EOS kept last): the model has no positions beyond.
 """
 
+import re
+import types
 from typing import NamedTuple
 
 import numpy as np
+from keras import ops
 
+from keras_transformer.data.tokenizer import PAD_ID
 from keras_transformer.decoding import policy
-from keras_transformer.decoding.search import beam_search
+from keras_transformer.decoding.alignments import word_alignment
+from keras_transformer.decoding.controls import (
+    OPTION_TYPES,
+    RESERVED_IDS,
+    DecodingOptions,
+    check_token_lists,
+    option_holds,
+    option_rules,
+)
+from keras_transformer.decoding.request import decode
+from keras_transformer.decoding.search import token_array
 from keras_transformer.utils.tensorflow import import_tensorflow
 
 tf = import_tensorflow("Translator (the tf-text tokenizer in a tf.function)")
@@ -53,17 +67,92 @@ class SentenceAttention(NamedTuple):
     target: str
 
 
+class Hypothesis(NamedTuple):
+    """One output of `Translator.translate_hypotheses`.
+
+    text: the translation. score: log-probability / GNMT length penalty.
+    log_prob: the log-probability of the output (EOS included).
+    alignment: with `return_alignments`, `(source word, target word)` index pairs (Pharaoh
+        `i-j`, words split at spaces of the normalized text; `word_alignment`), else None.
+    """
+
+    text: str
+    score: float
+    log_prob: float
+    alignment: list = None
+
+
+# The graph dtype of each `DecodingOptions` field (the seed is int64: any 63-bit seed).
+OPTION_DTYPES = {
+    name: tf.int64 if name == "seed" else {int: tf.int32, float: tf.float32, bool: tf.bool}[kind]
+    for name, kind in OPTION_TYPES.items()
+}
+
+
+def option_specs():
+    """The `tf.TensorSpec` of every `DecodingOptions` field (a scalar named after it), in order."""
+    return [tf.TensorSpec([], OPTION_DTYPES[name], name=name) for name in OPTION_TYPES]
+
+
+def option_tensors(options):
+    """`{name: scalar tensor}` of a `DecodingOptions`, in the dtypes of `option_specs`."""
+    return {name: tf.constant(getattr(options, name), OPTION_DTYPES[name]) for name in OPTION_TYPES}
+
+
+def checked_request(config, beam_size, source_ids, options, target_prefix, suppress_sequences):
+    """`source_ids` once the request is checked in the graph (`InvalidArgument` otherwise).
+
+    Every `controls.option_rules` rule, the ids of the prefix and the banned sequences
+    (in the vocabulary, not padding/BOS/EOS inside them) and each prefix's length (at most
+    its sentence's output limit - 1, leaving room for EOS). Each check is a
+    `tf.debugging.Assert` with the message (TensorFlow, TF Serving) and a gather named
+    after it that reads out of range when the check fails: ONNX has no assertion op
+    (tf2onnx drops `Assert`), and ONNX Runtime's error then names the failed check.
+    """
+    checks = [
+        (option_holds(options, name, beam_size, tf.math), f"{name} must be {allowed}")
+        for name, allowed in option_rules(beam_size)
+    ]
+    for name, ids in (("target_prefix", target_prefix), ("suppress_sequences", suppress_sequences)):
+        reserved = [getattr(config, key) for key in RESERVED_IDS if key != "pad_id"]
+        inside = tf.logical_and(ids >= 0, ids < config.target_vocab)
+        ok = tf.reduce_all(tf.logical_and(inside, tf.reduce_all(tf.not_equal(ids[..., None], reserved), -1)))
+        checks.append((ok, f"{name} ids must be in [0, {config.target_vocab}) and not BOS or EOS"))
+    lengths = tf.reduce_sum(tf.cast(tf.not_equal(source_ids, config.pad_id), tf.int32), axis=1)
+    limits = policy.output_limits(lengths, config.max_length, ops, options.max_extra_length)
+    prefix_lengths = tf.reduce_sum(tf.cast(tf.not_equal(target_prefix, config.pad_id), tf.int32), axis=1)
+    checks.append(
+        (
+            tf.logical_or(
+                tf.equal(tf.shape(target_prefix)[1], 0), tf.reduce_all(prefix_lengths <= limits - 1)
+            ),
+            "a target_prefix must be shorter than its sentence's output limit (source length + "
+            "max_extra_length, at most the model's max_length)",
+        )
+    )
+    total = tf.zeros([], source_ids.dtype)
+    for ok, message in checks:
+        with tf.control_dependencies([tf.debugging.Assert(ok, [message])]):
+            index = tf.cast(tf.logical_not(ok), tf.int32)
+        name = re.sub(r"[^A-Za-z0-9]+", "_", message)[:60].strip("_")
+        total += tf.gather(tf.zeros([1], source_ids.dtype), tf.reshape(index, [1]), name=name)[0]
+    return source_ids + total
+
+
 class Translator:
     """Translates lists of strings with a trained `Transformer` and its `Tokenizer`.
 
     Args:
         model: a `Transformer`.
         tokenizer: the run's `Tokenizer`.
-        beam_size, length_penalty, max_extra_length: of `beam_search` (4, 0.6, 50).
-        batch_size: sentences per beam-search call.
-        jit_compile: compile the search with XLA.
-        cache_policy: of `beam_search`; `"auto"` grows the cache (finished
+        beam_size: of the beam search, fixed per translator (4).
+        batch_size: sentences per search call.
+        jit_compile: compile the search with XLA (one program per set of options).
+        cache_policy: of the searches; `"auto"` grows the cache (finished
             sentences leave the batch) unless `jit_compile`.
+        **options: `DecodingOptions` fields, this translator's defaults (§6.1's
+            otherwise: `length_penalty` 0.6, `max_extra_length` 50); each call may
+            change them.
     """
 
     def __init__(
@@ -71,31 +160,47 @@ class Translator:
         model,
         tokenizer,
         beam_size=policy.BEAM_SIZE,
-        length_penalty=policy.LENGTH_PENALTY,
-        max_extra_length=policy.MAX_EXTRA_LENGTH,
         batch_size=64,
         jit_compile=False,
         cache_policy="auto",
+        **options,
     ):
         self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
+        self.beam_size = beam_size
+        self.options = DecodingOptions().replace(**options).check(beam_size)
         self.max_source_length = model.config.max_length
+        blank = tokenizer.blank_ids()
 
-        def search(source_ids):  # (batch, len_src) -> ids (batch, max_len), scores (batch,)
-            result = beam_search(
-                model,
-                source_ids,
-                beam_size=beam_size,
-                length_penalty=length_penalty,
-                max_extra_length=max_extra_length,
-                cache_policy=cache_policy,
+        def search(source_ids, target_prefix, suppress_sequences, sentence_ids, options):
+            """(batch, len_src) -> Hypotheses (batch, num_return, max_len)."""
+            return decode(
+                model, source_ids, options, beam_size, target_prefix, suppress_sequences, sentence_ids,
+                blank, cache_policy,
+            )  # fmt: skip
+
+        def with_tensor_options(source_ids, target_prefix, suppress_sequences, sentence_ids, *options):
+            options = types.SimpleNamespace(**dict(zip(OPTION_TYPES, options)))
+            source_ids = checked_request(
+                model.config, beam_size, source_ids, options, target_prefix, suppress_sequences
             )
-            return result.ids, result.scores
+            return search(source_ids, target_prefix, suppress_sequences, sentence_ids, options)
 
-        self._search = tf.function(
-            search, input_signature=[tf.TensorSpec([None, None], tf.int32)], jit_compile=jit_compile
-        )
+        ids = tf.TensorSpec([None, None], tf.int32)
+        if jit_compile:  # XLA needs static shapes: the options are Python values, one trace each
+            self._search = tf.function(search, jit_compile=True, autograph=False)
+        else:  # one graph for every request: the options are its inputs
+            self._search = tf.function(
+                with_tensor_options,
+                input_signature=[ids, ids, ids, tf.TensorSpec([None], tf.int32), *option_specs()],
+                autograph=False,  # the search's control flow is explicit (keras.ops.cond, while_loop)
+            )
+        self._jit_compile = jit_compile
+
+        def score(source_ids, pieces):
+            return log_likelihood(model, source_ids, pieces)
+
         self._score = tf.function(
-            lambda source_ids, pieces: log_likelihood(model, source_ids, pieces),
+            score,
             input_signature=[
                 tf.TensorSpec([None, None], tf.int32),
                 tf.RaggedTensorSpec([None, None], tf.int32, ragged_rank=1),
@@ -110,27 +215,128 @@ class Translator:
             pad_to_max_length=False,
         )
 
-    def translate(self, sentences, progress=None):
-        """Translations of `sentences` (a list of str) as `(texts, scores)`, in input order.
+    def token_lists(self, texts):
+        """Each string's SentencePiece ids (no BOS/EOS), as lists of ints."""
+        if not texts:
+            return []
+        return [list(map(int, ids)) for ids in self.tokenizer.tokenize(tf.constant(list(texts))).to_list()]
+
+    def translate(self, sentences, progress=None, **options):
+        """Translations of `sentences` (a list of str) as `(texts, scores)`, in input order: the
+        best hypothesis of each (`translate_hypotheses` for n-best lists, prefixes, alignments).
 
         `progress`, if given, is called with the number of sentences done after
-        every batch.
+        every batch; `options` change this translator's `DecodingOptions` for the call.
         """
+        hypotheses = self.translate_hypotheses(sentences, progress, **options)
+        return [h[0].text for h in hypotheses], np.array([h[0].score for h in hypotheses], np.float32)
+
+    def translate_hypotheses(
+        self, sentences, progress=None, target_prefix=None, suppress_sequences=None, **options
+    ):
+        """The hypotheses of each sentence: a list (one per sentence) of `num_return` `Hypothesis`.
+
+        Args:
+            sentences: a list of str.
+            progress: called with the number of sentences done after every batch.
+            target_prefix: one string (or None) per sentence: its translation starts with it
+                (`keras_transformer.decoding.controls`).
+            suppress_sequences: strings the translations may not contain (each tokenized
+                as a sequence of pieces).
+            **options: `DecodingOptions` fields for this call.
+
+        A sentence with no content (empty, spaces, tabs or control characters) gets empty
+        hypotheses with score 0, without a search.
+        """
+        options = self.options.replace(**options).check(self.beam_size)
         sentences = list(sentences)
-        texts, scores = [""] * len(sentences), np.zeros(len(sentences), np.float32)
+        prefixes = self._prefixes(sentences, target_prefix)
+        sequences = token_array(self.token_lists(suppress_sequences or []), PAD_ID)
+        check_token_lists("suppress_sequences", self.token_lists(suppress_sequences or []), *self._id_range())
+        results = [None] * len(sentences)
         if not sentences:
-            return texts, scores
+            return results
         lengths = self.tokenizer.tokenize(tf.constant(sentences, tf.string)).row_lengths().numpy()
         order = np.argsort(lengths, kind="stable")
         for start in range(0, len(order), self.batch_size):
             indices = order[start : start + self.batch_size]
-            ids, batch_scores = self._search(self.encode([sentences[i] for i in indices]))
-            decoded = self.tokenizer.decode(ids).numpy()
-            for index, text, score in zip(indices, decoded, batch_scores.numpy()):
-                texts[index], scores[index] = text.decode("utf-8"), score
+            source_ids = self.encode([sentences[i] for i in indices])
+            prefix = token_array([prefixes[i] for i in indices], PAD_ID)
+            self._check_prefix_lengths(source_ids.numpy(), prefix, options, indices)
+            found = self._run(source_ids, prefix, sequences, indices.astype(np.int32), options)
+            for row, index in enumerate(indices):
+                results[index] = self._hypotheses(sentences[index], found, row, options.return_alignments)
             if progress is not None:
                 progress(min(start + self.batch_size, len(order)))
-        return texts, scores
+        return results
+
+    def _prefixes(self, sentences, target_prefix):
+        if target_prefix is None:
+            return [[] for _ in sentences]
+        if isinstance(target_prefix, str) or len(target_prefix) != len(sentences):
+            raise ValueError(
+                f"target_prefix must be a list with one string (or None) per sentence: {len(sentences)}."
+            )
+        prefixes = self.token_lists(["" if p is None else p for p in target_prefix])
+        check_token_lists("target_prefix", prefixes, *self._id_range())
+        return prefixes
+
+    def _id_range(self):
+        """`(vocab size, reserved ids)` for `check_token_lists`."""
+        config = self.model.config
+        return config.target_vocab, [getattr(config, name) for name in RESERVED_IDS]
+
+    def _check_prefix_lengths(self, source_ids, prefix, options, indices):
+        config = self.model.config
+        lengths = np.sum(source_ids != config.pad_id, axis=1)
+        limits = policy.output_limits(lengths, config.max_length, np, options.max_extra_length)
+        prefix_lengths = np.sum(prefix != config.pad_id, axis=1)
+        for index, length, limit in zip(indices, prefix_lengths, limits):
+            if length > limit - 1:
+                raise ValueError(
+                    f"target_prefix of sentence {index} has {length} pieces, more than its output limit "
+                    f"allows ({limit} tokens with EOS: source length + max_extra_length, at most the "
+                    f"model's max_length); raise max_extra_length or shorten the prefix."
+                )
+
+    def search_ids(
+        self, source_ids, target_prefix=None, suppress_sequences=None, sentence_ids=None, **options
+    ):
+        """The compiled search on source ids int32 `(batch, len_src)` (`encode`): `Hypotheses`
+        `(batch, num_return, max_len)` (`keras_transformer.decoding.request.decode`).
+
+        `target_prefix` int `(batch, width)` and `suppress_sequences` int `(count, width)`,
+        padded with `pad_id`, or token lists; `sentence_ids` `(batch,)`: each row's index
+        in the request (sampling's key; default the row)."""
+        options = self.options.replace(**options).check(self.beam_size)
+        source_ids = np.asarray(source_ids, np.int32)
+        batch = len(source_ids)
+        prefix = token_array([[]] * batch if target_prefix is None else target_prefix, PAD_ID)
+        sequences = token_array([] if suppress_sequences is None else suppress_sequences, PAD_ID)
+        sentence_ids = np.arange(batch, dtype=np.int32) if sentence_ids is None else sentence_ids
+        return self._run(source_ids, prefix, sequences, np.asarray(sentence_ids, np.int32), options)
+
+    def _run(self, source_ids, prefix, sequences, sentence_ids, options):
+        if self._jit_compile:
+            return self._search(source_ids, prefix, sequences, sentence_ids, options)
+        return self._search(source_ids, prefix, sequences, sentence_ids, *option_tensors(options).values())
+
+    def _hypotheses(self, sentence, found, row, aligned):
+        ids = found.ids[row].numpy()  # (num_return, max_len)
+        texts = [t.decode("utf-8") for t in self.tokenizer.decode(ids).numpy()]
+        alignments = [None] * len(texts)
+        if aligned:
+            source = self.tokenizer.processor.encode(sentence, out_type=str)[: self.max_source_length - 1]
+            piece = self.tokenizer.processor.id_to_piece
+            alignments = [
+                word_alignment(source, [piece(int(i)) for i in hypothesis], alignment)
+                for hypothesis, alignment in zip(ids, found.alignments[row].numpy())
+            ]
+        fields = zip(
+            texts, found.scores[row].numpy().tolist(), found.log_probs[row].numpy().tolist(), alignments
+        )
+        # A hypothesis at NEG_INF is none: fewer than num_return exist (a prefix up to the limit).
+        return [Hypothesis(*v) for i, v in enumerate(fields) if i == 0 or v[2] > policy.NEG_INF / 2]
 
     def score(self, sources, targets):
         """log p(target | source) of each pair of strings (lists of str), float32 `(n,)` in input order.

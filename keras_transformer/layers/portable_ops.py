@@ -62,3 +62,22 @@ def gather_rows(tensor, indices):
 
         return tf.gather(tensor, indices, axis=0)
     return ops.take(tensor, indices, axis=0)
+
+
+def argmax(tensor):
+    """int32 index of the largest value along the last axis, the first one on ties.
+
+    `keras.ops.argmax` on TensorFlow first maps -0.0 to the smallest negative float (a
+    flush-to-zero fix for another backend) with a `Bitcast`, which tf2onnx cannot convert
+    and which costs three more kernels per call; on TensorFlow this is one `ArgMax`.
+
+    Example:
+    >>> import numpy as np
+    >>> ops.convert_to_numpy(argmax(np.array([[1.0, 3.0, 3.0], [2.0, 0.0, 1.0]])))
+    array([1, 0], dtype=int32)
+    """
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        return tf.math.argmax(tensor, axis=-1, output_type=tf.int32)
+    return ops.cast(ops.argmax(tensor, axis=-1), "int32")

@@ -1,0 +1,315 @@
+"""The decoding controls a request can switch on, written once for every runtime.
+
+Each control is defined as CTranslate2 defines it (`src/decoding_utils.cc`,
+`src/decoding.cc`), so the CTranslate2 export maps it one to one:
+
+- `target_prefix`: while a sentence's output is shorter than its prefix, the
+  prefix's next token is the only possibility (it wins over every ban); the
+  search then goes on freely. Its log-probabilities count in the score.
+- `suppress_sequences`: a one-token sequence is never output; a longer one's
+  last token is impossible where the output ends with the sequence's other tokens.
+- `disable_unk`: `<unk>` is never output.
+- `no_repeat_ngram_size` n: the tokens that would repeat an n-gram of the output
+  are impossible.
+- `repetition_penalty` p: before the softmax, the logit `s` of every token
+  already in the output becomes `s * p` if `s < 0`, else `s / p`.
+
+A banned token gets `policy.NEG_INF` after the softmax (the others are not
+renormalized, as for the rules of `policy.constrain`; CTranslate2 bans before
+its softmax). Like `policy`, this module imports nothing: its functions take
+the array namespace `xp` (`numpy` or `keras.ops`), and `DecodingOptions` is
+plain Python, so the Keras search, the exported graphs and the NumPy driver of
+the ONNX step graphs (`keras_transformer_export.onnx_runtime`) share it.
+
+Shape legend: sentences, beam (1 for greedy search and sampling), length =
+output positions, vocab; `history` `(sentences, beam, length)` holds the
+tokens output so far (positions >= `step` are padding).
+"""
+
+import dataclasses
+import numbers
+import operator
+from typing import NamedTuple
+
+from keras_transformer.decoding.policy import BEAM_SIZE, LENGTH_PENALTY, MAX_EXTRA_LENGTH, NEG_INF
+
+# Ids a prefix or a banned sequence may not hold (names of `TransformerConfig` fields): padding
+# pads them; BOS is never output; EOS ends every output (a prefix is continued, and EOS is forced
+# at the length limit whatever is banned).
+RESERVED_IDS = ("pad_id", "bos_id", "eos_id")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodingOptions:
+    """What one request may choose, with the defaults that give §6.1's beam search.
+
+    Attributes:
+        length_penalty: α of GNMT's penalty `((5 + length) / 6) ** α` (0: none).
+        max_extra_length: output tokens beyond the source length (EOS included).
+        min_length: EOS is impossible before this many output tokens (EOS included).
+        num_return: hypotheses per sentence: the n best of the beam (at most `beam_size`),
+            or `num_return` independent samples.
+        disable_unk, no_repeat_ngram_size, repetition_penalty: the module docstring's
+            controls (0 and 1.0: off); the per-sentence `target_prefix` and the
+            `suppress_sequences` are token lists given beside the options.
+        sampling_topk: 1 searches (beam search, greedy with a beam of 1); K > 1 samples
+            from the K likeliest tokens, 0 from the whole vocabulary.
+        sampling_topp: samples from the smallest set of those whose probability reaches p.
+        sampling_temperature: divides the log-probabilities before sampling.
+        seed: the samples are a function of (seed, sentence index, sample index, step).
+        return_alignments: also return each output token's most attended source position.
+    """
+
+    length_penalty: float = LENGTH_PENALTY
+    max_extra_length: int = MAX_EXTRA_LENGTH
+    min_length: int = 0
+    num_return: int = 1
+    disable_unk: bool = False
+    no_repeat_ngram_size: int = 0
+    repetition_penalty: float = 1.0
+    sampling_topk: int = 1
+    sampling_topp: float = 1.0
+    sampling_temperature: float = 1.0
+    seed: int = 0
+    return_alignments: bool = False
+
+    @property
+    def sampling(self):
+        """Whether tokens are sampled (`sampling_topk != 1`) rather than searched."""
+        return self.sampling_topk != 1
+
+    @property
+    def per_step_controls(self):
+        """Whether a control that acts at every step is on (beyond `policy.constrain`'s rules)."""
+        return self.no_repeat_ngram_size > 0 or self.repetition_penalty != 1.0
+
+    def check(self, beam_size=BEAM_SIZE):
+        """Raises `ValueError` naming the first bad option (what was wrong, what is allowed)."""
+        for name, kind in OPTION_TYPES.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) != (kind is bool) or not isinstance(value, _KINDS[kind]):
+                raise ValueError(f"{name} must be {_KIND_NAMES[kind]}; got {value!r}.")
+        for name, allowed in option_rules(beam_size):
+            if not option_holds(self, name, beam_size, PYTHON_COMPARISONS):
+                raise ValueError(f"{name} must be {allowed}; got {getattr(self, name)!r}.")
+        return self
+
+    def replace(self, **changes):
+        """These options with `changes` (unknown names are refused with the valid ones listed)."""
+        names = [field.name for field in dataclasses.fields(self)]
+        unknown = sorted(set(changes) - set(names))
+        if unknown:
+            raise ValueError(f"unknown decoding option(s) {unknown}; the options are {names}.")
+        return dataclasses.replace(self, **changes)
+
+
+class Hypotheses(NamedTuple):
+    """A request's results in every runtime, best first (samples: in sample order).
+
+    ids: int32 `(batch, num_return, max_len)`, EOS-terminated, padded after EOS.
+    scores: float32 `(batch, num_return)`: log-probability / GNMT length penalty.
+    log_probs: float32 `(batch, num_return)`; at `policy.NEG_INF` or below for a
+        hypothesis that does not exist (fewer than `num_return` do: a prefix up to the
+        length limit leaves few continuations).
+    alignments: int32 `(batch, num_return, max_len)`: for each output token before EOS,
+        the source position it attends to most; -1 elsewhere. None when not asked for.
+    """
+
+    ids: object
+    scores: object
+    log_probs: object
+    alignments: object = None
+
+
+OPTION_TYPES = {field.name: field.type for field in dataclasses.fields(DecodingOptions)}
+_KINDS = {int: numbers.Integral, float: numbers.Real, bool: bool}
+_KIND_NAMES = {int: "an integer", float: "a number", bool: "True or False"}
+
+
+# The range of every option: `(name, comparison, bound)`, written once for `DecodingOptions.check`
+# (Python values) and the exported graphs' checks (tensors): `option_holds`.
+OPTION_RULES = (
+    ("max_extra_length", ">=", 0),
+    ("min_length", ">=", 0),
+    ("no_repeat_ngram_size", ">=", 0),
+    ("seed", ">=", 0),
+    ("sampling_topk", ">=", 0),
+    ("num_return", "num_return", 1),
+    ("length_penalty", ">=", 0.0),
+    ("repetition_penalty", ">", 0.0),
+    ("sampling_topp", "in (0, 1]", None),
+    ("sampling_temperature", ">", 0.0),
+)
+
+
+def option_rules(beam_size):
+    """`(name, allowed)` of each rule in `OPTION_RULES`, `allowed` in words."""
+    words = {
+        ">=": "{kind} >= {bound}",
+        ">": "a number > {bound}",
+        "in (0, 1]": "a number in (0, 1]",
+        "num_return": f"in [1, beam size {beam_size}] (sampling, with sampling_topk != 1, may return more)",
+    }
+    return [
+        (
+            name,
+            words[comparison].format(
+                kind="an integer" if isinstance(bound, int) else "a number", bound=bound
+            ),
+        )
+        for name, comparison, bound in OPTION_RULES
+    ]
+
+
+def option_holds(options, name, beam_size, xp):
+    """Whether the rule of option `name` holds: a Python bool, or a bool tensor for tensor
+    options (`xp` `keras.ops`, `tf.math`, or `operator`-like `PYTHON_COMPARISONS`)."""
+    _, comparison, bound = next(rule for rule in OPTION_RULES if rule[0] == name)
+    value = getattr(options, name)
+    if comparison == ">=":
+        return xp.greater_equal(value, bound)
+    if comparison == ">":
+        return xp.greater(value, bound)
+    if comparison == "in (0, 1]":
+        return xp.logical_and(xp.greater(value, 0.0), xp.less_equal(value, 1.0))
+    sampling = xp.not_equal(options.sampling_topk, 1)
+    return xp.logical_and(
+        xp.greater_equal(value, 1), xp.logical_or(sampling, xp.less_equal(value, beam_size))
+    )
+
+
+def _both(a, b):
+    return a and b
+
+
+def _either(a, b):
+    return a or b
+
+
+class PYTHON_COMPARISONS:  # noqa: N801 (a namespace, used like a module)
+    """The comparisons of `option_holds` on Python numbers."""
+
+    greater_equal = staticmethod(operator.ge)
+    greater = staticmethod(operator.gt)
+    less_equal = staticmethod(operator.le)
+    not_equal = staticmethod(operator.ne)
+    logical_and = staticmethod(_both)
+    logical_or = staticmethod(_either)
+
+
+def padded_token_lists(lists, pad_id):
+    """Token lists as equal-length rows (lists) padded with `pad_id`, at least one column wide
+    (so that column 0 exists for an empty list)."""
+    width = max([len(ids) for ids in lists] + [1])
+    return [list(ids) + [pad_id] * (width - len(ids)) for ids in lists]
+
+
+def check_token_lists(name, lists, vocab_size, reserved):
+    """Raises `ValueError` unless every id of `lists` (lists of ints) is in the vocabulary and
+    not `reserved` (`RESERVED_IDS`' values)."""
+    for number, ids in enumerate(lists):
+        for token in ids:
+            if isinstance(token, bool) or not isinstance(token, numbers.Integral):
+                raise ValueError(f"{name}[{number}] must hold integer ids; got {token!r}.")
+            if not 0 <= token < vocab_size or token in reserved:
+                raise ValueError(
+                    f"{name}[{number}] holds id {token}: ids must be in [0, {vocab_size}) and not "
+                    f"padding, BOS or EOS ({sorted(reserved)})."
+                )
+
+
+# ----------------------------------------------------------------------------- the rules
+
+
+def forced_prefix(log_probs, raw_log_probs, step, prefix, prefix_lengths, xp):
+    """The prefix rule: where `step < prefix_lengths`, the prefix token is the only possibility
+    and keeps its log-probability before any ban (`raw_log_probs`).
+
+    log_probs, raw_log_probs: `(sentences, beam, vocab)`; prefix: int `(sentences, width)`
+    (padded; width >= 1); prefix_lengths: int `(sentences,)`.
+    """
+    column = xp.minimum(step, xp.shape(prefix)[1] - 1)
+    forced = xp.take(prefix, xp.reshape(column, (1,)), axis=1)[:, :, None]  # (sentences, 1, 1)
+    active = xp.reshape(xp.less(step, prefix_lengths), (-1, 1, 1))
+    ids = xp.arange(log_probs.shape[-1])  # vocab: static
+    only_forced = xp.where(xp.equal(ids, forced), raw_log_probs, NEG_INF)
+    return xp.where(active, only_forced, log_probs)
+
+
+def repetition_penalized(logits, history, step, penalty, xp):
+    """CTranslate2's repetition penalty on `logits` `(sentences, beam, vocab)`: each token of
+    `history[..., :step]` has its logit `s` made `s * penalty` if `s < 0`, else `s / penalty`
+    (once, however often it occurs)."""
+    seen = _hit_columns(history, xp.less(xp.arange(xp.shape(history)[-1]), step), logits.shape[-1], xp)
+    penalized = xp.where(xp.less(logits, 0.0), logits * penalty, logits / penalty)
+    return xp.where(seen, penalized, logits)
+
+
+def repeated_ngram_ends(history, step, size, vocab, xp):
+    """bool `(sentences, beam, vocab)`: the tokens that would end an n-gram (n = `size`) already
+    in `history[..., :step]` (CTranslate2's `NoRepeatNgram`; n = 1 bans every token output so
+    far; 0 bans nothing).
+
+    Position p of the output ends a repeat when its `size - 1` predecessors equal the output's
+    last `size - 1` tokens: `history[p - i] == history[step - i]` for i = 1 .. size - 1.
+    """
+    length = xp.shape(history)[-1]
+    positions = xp.arange(length)
+    lags = xp.arange(1, length + 1)  # i
+    earlier = xp.take(history, xp.clip(positions[:, None] - lags[None, :], 0, length - 1), axis=-1)
+    last = xp.take(history, xp.clip(step - lags, 0, length - 1), axis=-1)  # (sentences, beam, length)
+    equal = xp.logical_or(xp.equal(earlier, last[..., None, :]), xp.greater_equal(lags, size))
+    ends = xp.logical_and(
+        xp.all(equal, axis=-1),  # (sentences, beam, length): predecessors match
+        xp.logical_and(xp.greater_equal(positions, size - 1), xp.less(positions, step)),
+    )
+    ends = xp.logical_and(ends, xp.logical_and(xp.greater(size, 0), xp.greater_equal(step, size - 1)))
+    return _hit_columns(history, ends, vocab, xp)
+
+
+def sequence_ends(history, step, sequences, sequence_lengths, vocab, xp):
+    """bool `(sentences, beam, vocab)`: the last tokens of the banned `sequences` `(count,
+    width)` of 2 or more tokens (`sequence_lengths` `(count,)`; one-token sequences are in the
+    `never` mask of `policy.constrain`) whose other tokens end `history[..., :step]`."""
+    width = xp.shape(sequences)[-1]
+    heads = sequence_lengths - 1  # tokens before the banned one
+    offsets = xp.arange(width)
+    places = step - heads[:, None] + offsets[None, :]  # (count, width): output position of token j
+    length = xp.shape(history)[-1]
+    taken = xp.take(history, xp.reshape(xp.clip(places, 0, length - 1), (-1,)), axis=-1)
+    taken = xp.reshape(taken, tuple(xp.shape(history)[:-1]) + tuple(xp.shape(sequences)))  # (s, b, n, w)
+    equal = xp.logical_or(xp.equal(taken, sequences), xp.greater_equal(offsets, heads[:, None]))
+    matched = xp.logical_and(
+        xp.all(equal, axis=-1), xp.logical_and(xp.greater_equal(heads, 1), xp.greater_equal(step, heads))
+    )  # (sentences, beam, count)
+    last = xp.take_along_axis(sequences, xp.reshape(xp.maximum(heads, 0), (-1, 1)), axis=1)[:, 0]
+    last = xp.broadcast_to(last, xp.shape(matched))
+    return _hit_columns(last, matched, vocab, xp)
+
+
+def single_token_bans(sequences, sequence_lengths, vocab, xp):
+    """bool `(vocab,)`: the tokens of the one-token `sequences` (always banned)."""
+    one = xp.equal(sequence_lengths, 1)
+    return _hit_columns(sequences[None, :, 0], one[None], vocab, xp)[0]
+
+
+def _hit_columns(columns, valid, vocab, xp):
+    """bool `(..., vocab)`: True at `columns[..., k]` (ids) where `valid[..., k]`.
+
+    One scatter of ones into a `(rows, vocab + 1)` table (the invalid entries go to the extra
+    column, which is dropped): duplicate ids write the same value, so every runtime agrees.
+    """
+    leading = tuple(xp.shape(columns)[:-1])
+    columns = xp.reshape(xp.where(valid, columns, vocab), (-1, xp.shape(columns)[-1]))
+    rows = xp.shape(columns)[0]
+    if xp.__name__ == "numpy":
+        table = xp.zeros((rows, vocab + 1), bool)
+        xp.put_along_axis(table, columns.astype("int64"), True, axis=1)
+    else:
+        row_ids = xp.broadcast_to(xp.arange(rows)[:, None], xp.shape(columns))
+        indices = xp.reshape(xp.stack([row_ids, xp.cast(columns, row_ids.dtype)], axis=-1), (-1, 2))
+        table = xp.scatter_update(
+            xp.zeros((rows, vocab + 1), "float32"), indices, xp.ones((xp.shape(indices)[0],), "float32")
+        )
+        table = xp.greater(table, 0.0)
+    return xp.reshape(table[:, :vocab], leading + (vocab,))

@@ -1,0 +1,115 @@
+"""Random sampling that gives the same tokens in every runtime, written once.
+
+TensorFlow's, ONNX Runtime's and NumPy's random generators differ, so the
+randomness comes from none of them: every (seed, sentence index in the
+request, sample index, step, token id) is hashed to a uniform number with
+integer arithmetic every runtime has (int64 add, multiply, floor division and
+modulo, kept below 2^63; no XOR, which ONNX opset 17 lacks: `_mix`), and the token is
+chosen by the Gumbel-max rule
+
+    token = argmax over the allowed set of  log_probs / T - log(-log(u_token))
+
+which samples from `softmax(log_probs / T)` restricted to that set. Keyed by
+the sentence's index in the request and not by its row, a sample does not
+depend on which other sentences share its batch, nor on `num_return` (sample
+k of a sentence is the same whether 1 or 8 were asked for).
+
+The allowed set (as CTranslate2 and Hugging Face define them): the tokens the
+rules allow (`policy.constrain`, `controls`), then the `topk` likeliest of them
+(0: all), then the smallest prefix of those, by probability, whose probability
+under `softmax(log_probs / T)` restricted to the top-k reaches `topp`.
+
+What is guaranteed: identical tokens wherever the runtimes' log-probabilities
+are identical, as for beam search; the float32 `log`, `exp` and cumulative sums
+may differ in the last bit between runtimes, which can flip a choice only
+between two values that close. The score of a sample is the model's
+log-probability of it (not tempered), so samples and beam outputs compare.
+
+Shape legend: rows = sentences x samples, vocab.
+"""
+
+from keras_transformer.decoding.policy import NEG_INF
+
+_MODULUS = 2**31
+_MULTIPLIER, _INCREMENT = 1103515245, 12345  # an affine bijection of [0, 2^31)
+# Round constants of `_mix` (any values below 2^31: fractional digits of square roots).
+_ROUNDS = (0x2545F491, 0x6A09E667, 0x3C6EF372)
+
+
+def _mix(value):
+    """A 31-bit integer hash (int64 array in [0, 2^31) -> the same): an affine map, then three
+    rounds of a middle square `x = (x^2 + c) // 2^15 + x` and an affine map (mod 2^31; every
+    product stays below 2^63). Measured on NumPy (tests/test_sampling.py): uniform, and
+    independent between neighbouring tokens, sentences, samples, steps and seeds."""
+    value = (value * _MULTIPLIER + _INCREMENT) % _MODULUS
+    for constant in _ROUNDS:
+        value = ((value * value + constant) // 32768 + value) % _MODULUS
+        value = (value * _MULTIPLIER + constant) % _MODULUS
+    return value
+
+
+def row_keys(seed, sentence_ids, sample_ids, step, xp):
+    """int64 `(rows,)`: the hash of (seed, sentence index in the request, sample index, step)."""
+    key = _mix((_as_int64(seed, xp) + 0x2545F491) % _MODULUS)
+    for part in (sentence_ids, sample_ids, step):
+        key = _mix((key + _as_int64(part, xp)) % _MODULUS)
+    return key
+
+
+def uniform(keys, vocab, xp):
+    """float32 `(rows, vocab)` in (0, 1): 2^24 equally spaced values (exact in float32)."""
+    hashed = _mix((keys[:, None] + _as_int64(xp.arange(vocab), xp)[None, :]) % _MODULUS)
+    return (_as_float32(hashed // 128, xp) + 0.5) / 16777216.0
+
+
+def allowed(scaled, topk, topp, xp):
+    """bool `(rows, vocab)`: the sampling set of `scaled` = log_probs / T `(rows, vocab)` (banned
+    tokens at `NEG_INF / T`): the top-k, then the top-p of those (at least one token)."""
+    vocab = scaled.shape[-1]
+    k = xp.where(xp.logical_or(xp.less_equal(topk, 0), xp.greater(topk, vocab)), vocab, topk)
+    ordered = _descending(scaled, xp.where(xp.less(topp, 1.0), vocab, k), xp)  # (rows, n)
+    within_k = xp.less(xp.arange(xp.shape(ordered)[-1]), k)
+    weights = xp.where(within_k, xp.exp(ordered - ordered[:, :1]), 0.0)
+    cumulative = xp.cumsum(weights, axis=-1)
+    below = xp.less(cumulative, topp * cumulative[:, -1:])  # mass before reaching p
+    kept = xp.minimum(1 + xp.sum(_as_int32(below, xp), axis=-1), k)  # (rows,) tokens kept
+    threshold = xp.take_along_axis(ordered, xp.reshape(kept - 1, (-1, 1)), axis=-1)  # (rows, 1)
+    return xp.greater_equal(scaled, threshold)
+
+
+def sample(log_probs, keys, topk, topp, temperature, xp):
+    """int32 `(rows,)`: one token per row from `softmax(log_probs / temperature)` restricted to
+    the allowed set (module docstring); `log_probs` `(rows, vocab)` after the rules, `keys`
+    `row_keys` `(rows,)`."""
+    scaled = log_probs / temperature
+    candidates = xp.logical_and(allowed(scaled, topk, topp, xp), xp.greater(log_probs, NEG_INF / 2))
+    gumbel = -xp.log(-xp.log(uniform(keys, log_probs.shape[-1], xp)))
+    return _argmax(xp.where(candidates, scaled + gumbel, 3 * NEG_INF), xp)
+
+
+def _argmax(values, xp):
+    """int32 index of each row's largest value (the first on ties)."""
+    if xp.__name__ == "numpy":
+        return xp.argmax(values, axis=-1).astype("int32")
+    from keras_transformer.layers.portable_ops import argmax
+
+    return argmax(values)
+
+
+def _descending(values, count, xp):
+    """The `count` largest of each row, largest first."""
+    if xp.__name__ == "numpy":
+        return -xp.sort(-values, axis=-1)[:, : int(count)]
+    return xp.top_k(values, k=count)[0]
+
+
+def _as_int64(value, xp):
+    return xp.asarray(value).astype("int64") if xp.__name__ == "numpy" else xp.cast(value, "int64")
+
+
+def _as_int32(value, xp):
+    return xp.asarray(value).astype("int32") if xp.__name__ == "numpy" else xp.cast(value, "int32")
+
+
+def _as_float32(value, xp):
+    return xp.asarray(value).astype("float32") if xp.__name__ == "numpy" else xp.cast(value, "float32")
