@@ -94,16 +94,80 @@ FOLDABLE = frozenset(
 
 def hoist_loop_invariants(model):
     """`model` (an `onnx.ModelProto`, changed in place and returned) with its `Loop`s' invariants hoisted
-    (module docstring, 1)."""
-    graph = model.graph
-    constants = {init.name for init in graph.initializer}
-    for node in graph.node:
-        if node.op_type == "Loop":
-            _drop_pass_through_state(graph, node)
-            body = next(a.g for a in node.attribute if a.name == "body")
-            _fold_constants(model, body, constants)
-    _drop_unused_initializers(graph)
+    (module docstring, 1), wherever the `Loop`s are (an `If` branch too)."""
+    constants = {init.name for init in model.graph.initializer}
+    for graph in list(all_graphs(model.graph)):
+        for node in graph.node:
+            if node.op_type == "Loop":
+                _drop_pass_through_state(graph, node)
+                body = next(a.g for a in node.attribute if a.name == "body")
+                _fold_constants(model, body, constants)
+    _drop_unused_initializers(model.graph)
     return model
+
+
+def reshape_zeros_as_tensorflow(model):
+    """`model` (changed in place and returned) with every `Reshape` to a shape computed at run time
+    reading a 0 in it as TensorFlow does, as the size 0 (`allowzero=1`), not as ONNX's default
+    "keep this input dimension": a batch of no sentences, or a request with no banned
+    sequences, has such sizes. Reshapes to constant shapes are left alone (tf2onnx writes
+    0 meaning "keep" in some of those)."""
+    for graph in all_graphs(model.graph):
+        constants = {init.name for init in graph.initializer} | {
+            init.name for init in model.graph.initializer
+        }
+        constants |= {output for node in graph.node if node.op_type == "Constant" for output in node.output}
+        for node in graph.node:
+            if node.op_type == "Reshape" and node.input[1] not in constants:
+                if not any(attribute.name == "allowzero" for attribute in node.attribute):
+                    node.attribute.append(helper.make_attribute("allowzero", 1))
+    return model
+
+
+def store_constants_once(model):
+    """`model` (changed in place and returned) with every subgraph's initializers moved into the
+    main graph, each distinct tensor stored once (subgraphs read outer values by name).
+
+    tf2onnx gives each `If` branch and `Loop` body its own copy of the weights it reads,
+    and the ONNX export assembles one branch per search (`keras_transformer_export.onnx`):
+    without this, the file would hold every weight once per search.
+    """
+    main = model.graph
+    stored = {}  # (type, dims, bytes) -> name in the main graph
+    taken = {init.name for init in main.initializer}
+    renames = {}
+    for init in list(main.initializer):
+        key = _tensor_key(init)
+        if key in stored:
+            renames[init.name] = stored[key]
+            main.initializer.remove(init)
+        else:
+            stored[key] = init.name
+    if renames:
+        _rename_uses(main, renames, outputs=True)
+    for graph in list(all_graphs(main))[1:]:
+        renames = {}
+        for init in list(graph.initializer):
+            key = _tensor_key(init)
+            if key not in stored:
+                name = init.name
+                while name in taken:
+                    name += "_"
+                moved = onnx.TensorProto()
+                moved.CopyFrom(init)
+                moved.name = name
+                main.initializer.append(moved)
+                stored[key], taken = name, taken | {name}
+            renames[init.name] = stored[key]
+            graph.initializer.remove(init)
+        if renames:
+            _rename_uses(graph, renames, outputs=True)
+    return model
+
+
+def _tensor_key(init):
+    array = numpy_helper.to_array(init)
+    return init.data_type, tuple(init.dims), array.tobytes()
 
 
 def _drop_pass_through_state(graph, loop):
@@ -138,11 +202,10 @@ def _drop_pass_through_state(graph, loop):
     del loop.output[:]
     loop.output.extend(loop_outputs)
     # Whoever read a dropped state's final value reads its (unchanged) initial value.
-    for node in graph.node:
-        node.input[:] = [final_values.get(name, name) for name in node.input]
     for output in graph.output:
         if output.name in final_values:  # pragma: no cover - our graphs never output weights
             raise ValueError(f"graph output {output.name} is a loop-invariant state; cannot hoist it.")
+    _rename_uses(graph, final_values)
 
 
 def _rename_uses(graph, renames, outputs=False):
@@ -569,6 +632,7 @@ def simplify(model, layer_norms=True, wheres=True):
     """`model` (changed in place and returned) with the rewrites applied (the LayerNorm fusion and the
     `Where`s only if `layer_norms` / `wheres`: benchmarks compare without them) and unused
     initializers dropped."""
+    store_constants_once(model)
     hoist_loop_invariants(model)
     collapse_tensordots(model)
     if layer_norms:
@@ -576,5 +640,6 @@ def simplify(model, layer_norms=True, wheres=True):
     if wheres:
         select_with_where(model)
     read_transposed_weights(model)
+    store_constants_once(model)  # the loops' folded constants too (each search folds its own)
     _drop_unused_initializers(model.graph)
     return model

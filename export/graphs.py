@@ -39,7 +39,7 @@ from keras_transformer.data.tokenizer import UNK_ID, Tokenizer
 from keras_transformer.decoding import policy
 from keras_transformer.decoding.alignments import WORD_START
 from keras_transformer.decoding.controls import OPTION_TYPES, DecodingOptions
-from keras_transformer.decoding.request import align, decode
+from keras_transformer.decoding.request import align, decode, search_choice
 from keras_transformer.decoding.translator import checked_request, log_likelihood, option_specs
 from keras_transformer.layers.decoding_cache import DecodingCache
 from keras_transformer.layers.masks import padding_mask
@@ -64,6 +64,22 @@ def float32_model(model):
     copy.build()
     copy.set_weights([keras.ops.convert_to_numpy(w).astype("float32") for w in model.weights])
     return copy
+
+
+def _options(values):
+    """The `DecodingOptions` fields' tensors (in field order) as an options object."""
+    return types.SimpleNamespace(**dict(zip(OPTION_TYPES, values)))
+
+
+def _outputs(found):
+    """The translate graphs' outputs of `Hypotheses` (without the alignments)."""
+    return {
+        "target_ids": found.ids[:, 0],
+        "scores": found.scores[:, 0],
+        "nbest_ids": found.ids,
+        "nbest_scores": found.scores,
+        "nbest_log_probs": found.log_probs,
+    }
 
 
 class TranslationGraphs:
@@ -102,6 +118,8 @@ class TranslationGraphs:
     # ------------------------------------------------------------- signatures
     def specs(self, name):
         """The `tf.TensorSpec`s (named as the inputs) of the function `name`."""
+        if name == "request_plan":
+            name = "translate_ids_with_options"
         ids = tf.TensorSpec([None, None], tf.int32, name="source_ids")
         cache = [None, self.config.num_heads, None, self.depth]
         return {
@@ -185,39 +203,60 @@ class TranslationGraphs:
         `nbest_log_probs` `(batch, num_return)` and `alignments` `(batch, num_return,
         max_len)` (-1 unless `return_alignments`).
         """
-        options = types.SimpleNamespace(**dict(zip(OPTION_TYPES, options)))
+        plan = self.request_plan(source_ids, target_prefix, suppress_sequences, sentence_ids, *options)
+        found = decode(
+            self.model, plan["planned_source_ids"], _options(options), self.beam_size,
+            plan["planned_target_prefix"], suppress_sequences, plan["planned_sentence_ids"], self.blank,
+            cache_policy="growing",
+        )  # fmt: skip
+        return {**_outputs(found), "alignments": found.alignments}
+
+    def request_plan(self, source_ids, target_prefix, suppress_sequences, sentence_ids, *options):
+        """A request made ready for `decode`, and which search it runs.
+
+        Returns `planned_source_ids` (`checked_source_ids`, then the request's checks:
+        `InvalidArgument` for bad options), `planned_target_prefix` with a row per sentence
+        (the `(0, 0)` default becomes a padding column per sentence), `planned_sentence_ids`
+        (the `(0,)` default becomes the rows' own), and the bools `sampling` and
+        `with_controls` (`keras_transformer.decoding.request.search_choice`).
+        """
+        options = _options(options)
         source_ids = self.checked_source_ids(source_ids)
         batch = tf.shape(source_ids)[0]
         prefix_rows = tf.shape(target_prefix)[0]
-        # A (0, 0) default becomes one padding column per sentence; given rows get one more column.
         target_prefix = tf.pad(target_prefix, [[0, tf.maximum(batch - prefix_rows, 0)], [0, 1]])
         sentence_ids = tf.concat([sentence_ids, tf.range(tf.shape(sentence_ids)[0], batch)], axis=0)
-        with tf.control_dependencies(
-            [
-                tf.debugging.Assert(
-                    tf.logical_and(
-                        tf.reduce_any(tf.equal(prefix_rows, [0, batch])),
-                        tf.equal(tf.shape(sentence_ids)[0], batch),
-                    ),
-                    ["target_prefix and sentence_ids need one row per source sentence (or none)"],
-                )
-            ]
-        ):
+        rows_ok = tf.logical_and(
+            tf.reduce_any(tf.equal(prefix_rows, [0, batch])), tf.equal(tf.shape(sentence_ids)[0], batch)
+        )
+        message = "target_prefix and sentence_ids need one row per source sentence (or none)"
+        with tf.control_dependencies([tf.debugging.Assert(rows_ok, [message])]):
             source_ids = checked_request(
                 self.config, self.beam_size, source_ids, options, target_prefix, suppress_sequences
             )
-        found = decode(
-            self.model, source_ids, options, self.beam_size, target_prefix, suppress_sequences, sentence_ids,
-            self.blank, cache_policy="growing",
-        )  # fmt: skip
+        sampling, with_controls = search_choice(self.config, options, target_prefix, suppress_sequences)
         return {
-            "target_ids": found.ids[:, 0],
-            "scores": found.scores[:, 0],
-            "nbest_ids": found.ids,
-            "nbest_scores": found.scores,
-            "nbest_log_probs": found.log_probs,
-            "alignments": found.alignments,
+            "planned_source_ids": source_ids,
+            "planned_target_prefix": target_prefix,
+            "planned_sentence_ids": sentence_ids,
+            "sampling": sampling,
+            "with_controls": with_controls,
         }
+
+    def search_function(self, search):
+        """`translate_ids_with_options` (without alignments) that runs the one `search` of
+        `keras_transformer.decoding.request.SEARCHES` on a request `request_plan` prepared."""
+
+        def translate(source_ids, target_prefix, suppress_sequences, sentence_ids, *options):
+            found = decode(
+                self.model, source_ids, _options(options), self.beam_size, target_prefix, suppress_sequences,
+                sentence_ids, self.blank, cache_policy="growing", search=search,
+            )  # fmt: skip
+            return _outputs(found)
+
+        return tf.function(
+            translate, input_signature=self.specs("translate_ids_with_options"), autograph=False
+        )
 
     def translate_with_options(self, text, target_prefix, suppress_sequences, *options):
         """Strings in, n-best strings out, with a request's options (the SavedModel's second

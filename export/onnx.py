@@ -47,7 +47,7 @@ import onnx
 from onnx import TensorProto, compose, helper, numpy_helper
 
 from keras_transformer.utils import keras_compat
-from keras_transformer_export.graph_rewrites import all_graphs, simplify
+from keras_transformer_export.graph_rewrites import all_graphs, reshape_zeros_as_tensorflow, simplify
 from keras_transformer_export.graphs import TranslationGraphs
 from keras_transformer_export.layout import atomic_directory
 
@@ -83,7 +83,10 @@ def export_onnx(graphs, out_dir, overwrite=False, log=None, quantization="float3
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}; got {quantization!r}.")
     described = {}
     with atomic_directory(out_dir, overwrite=overwrite) as temporary:
-        models = {stem: simplify(convert(graphs, function)) for stem, function in GRAPHS.items()}
+        models = {
+            stem: simplify(translate_graph(graphs) if stem == "translate" else convert(graphs, function))
+            for stem, function in GRAPHS.items()
+        }
         with_defaults(models["translate"], request_defaults(graphs))
         extra = {"quantization": {"type": "float32"}}
         if quantization == "int8":
@@ -132,22 +135,141 @@ def _int8(graphs, models, temporary, gate):
     return quantized, {"quantization": entry}
 
 
-def convert(graphs, name, extra_opset=None):
-    """The ONNX `ModelProto` of the `TranslationGraphs` function `name`."""
+def convert(graphs, name, extra_opset=None, function=None):
+    """The ONNX `ModelProto` of the `TranslationGraphs` function `name` (or of `function`, a
+    `tf.function` with the input signature of `name`)."""
     import tensorflow as tf
     import tf2onnx
 
     keras_compat.patch_tf2onnx_for_numpy2()
     model, _ = tf2onnx.convert.from_function(
-        tf.function(getattr(graphs, name)),
+        function or tf.function(getattr(graphs, name), autograph=False),
         input_signature=graphs.specs(name),
         opset=OPSET,
         extra_opset=extra_opset,
     )
     _name_dynamic_axes(model)
     _scalar_loop_counters(model)
+    reshape_zeros_as_tensorflow(model)
     model.doc_string = f"keras-transformer {name}"
     return model
+
+
+# translate.onnx's outputs: those of each search, then the alignments.
+SEARCH_OUTPUTS = ("target_ids", "scores", "nbest_ids", "nbest_scores", "nbest_log_probs")
+# The prepared values `request_plan` gives the searches in place of the request's own.
+PLANNED = ("source_ids", "target_prefix", "sentence_ids")
+
+
+def translate_graph(graphs):
+    """`translate.onnx`: the request's checks and preparation (`request_plan`), then
+
+        If(sampling, sample, If(with_controls, beam_with_controls, beam))
+        If(return_alignments, align, -1)
+
+    each search converted alone (tf2onnx takes ~4x as long for the same searches inside
+    `tf.cond`s and stores the weights once per branch) and stored once
+    (`graph_rewrites.store_constants_once`, in `simplify`). The default request runs the plain
+    beam search: the conditionals are decided once per request, not per step."""
+    from keras_transformer.decoding.request import SEARCHES
+
+    plan = compose.add_prefix(convert(graphs, "request_plan"), "plan/", rename_inputs=False)
+    searches = {
+        search: _branch(
+            convert(graphs, "translate_ids_with_options", function=graphs.search_function(search)),
+            f"{search}/",
+            {name: f"plan/planned_{name}" if name in PLANNED else name for name in _input_names(plan)},
+            SEARCH_OUTPUTS,
+        )
+        for search in SEARCHES
+    }
+    outputs = [_output_like(searches["beam"], name) for name in SEARCH_OUTPUTS]
+    searched = helper.make_node(
+        "If", ["plan/with_controls"], [f"searched/{n}" for n in SEARCH_OUTPUTS],
+        then_branch=searches["beam_with_controls"], else_branch=searches["beam"], name="search",
+    )  # fmt: skip
+    found = [f"found/{name}" for name in SEARCH_OUTPUTS]
+    chosen = helper.make_node(
+        "If", ["plan/sampling"], found, name="sample_or_search",
+        then_branch=searches["sample"],
+        else_branch=helper.make_graph([searched], "beam_searches", [], _renamed(outputs, "searched/")),
+    )  # fmt: skip
+    aligner = _branch(
+        convert(graphs, "align"), "align/", {"source_ids": "plan/planned_source_ids", "target_ids": found[2]}
+    )
+    unaligned = helper.make_graph(
+        [
+            helper.make_node("Shape", [found[2]], ["unaligned/shape"]),
+            helper.make_node(
+                "ConstantOfShape",
+                ["unaligned/shape"],
+                ["unaligned/alignments"],
+                value=helper.make_tensor("minus_one", TensorProto.INT32, [1], [-1]),
+            ),  # fmt: skip
+        ],
+        "unaligned",
+        [],
+        [_output_like(aligner, aligner.output[0].name, "unaligned/alignments")],
+    )
+    aligned = helper.make_node(
+        "If", ["return_alignments"], ["alignments"], then_branch=aligner, else_branch=unaligned, name="align"
+    )
+    copies = [helper.make_node("Identity", [f], [name]) for f, name in zip(found, SEARCH_OUTPUTS)]
+    graph = helper.make_graph(
+        [*plan.graph.node, chosen, aligned, *copies],
+        "translate",
+        list(plan.graph.input),
+        [*_renamed(outputs, ""), _output_like(aligner, aligner.output[0].name, "alignments")],
+        initializer=list(plan.graph.initializer),
+    )
+    opsets = {o.domain: o.version for o in plan.opset_import}
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in opsets.items()])
+    model.ir_version = plan.ir_version
+    model.doc_string = "keras-transformer translate_ids_with_options"
+    return model
+
+
+def _input_names(model):
+    return [value.name for value in model.graph.input]
+
+
+def _branch(model, prefix, inputs, outputs=None):
+    """`model`'s graph as an `If` branch: its names prefixed, its inputs read from the
+    enclosing graph as `inputs` maps them (`{input name: outer name}`), no inputs of its own,
+    its outputs in the order of `outputs` (names before the prefix; an `If` pairs them by
+    position, and tf2onnx sorts a function's outputs by name)."""
+    from keras_transformer_export.graph_rewrites import _rename_uses
+
+    graph = compose.add_prefix(model, prefix).graph
+    _rename_uses(graph, {prefix + name: outer for name, outer in inputs.items()})
+    del graph.input[:]
+    if outputs is not None:
+        by_name = {value.name: value for value in graph.output}
+        ordered = [by_name[prefix + name] for name in outputs]
+        del graph.output[:]
+        graph.output.extend(ordered)
+    return graph
+
+
+def _output_like(graph, name, new_name=None):
+    """A copy of `graph`'s output `name` (its type and shape), named `new_name`."""
+    for value in list(graph.output):
+        if value.name == name or value.name.endswith("/" + name):
+            copy = onnx.ValueInfoProto()
+            copy.CopyFrom(value)
+            copy.name = new_name or name
+            return copy
+    raise KeyError(name)
+
+
+def _renamed(values, prefix):
+    copies = []
+    for value in values:
+        copy = onnx.ValueInfoProto()
+        copy.CopyFrom(value)
+        copy.name = prefix + value.name
+        copies.append(copy)
+    return copies
 
 
 def request_defaults(graphs):

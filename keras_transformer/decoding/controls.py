@@ -300,8 +300,10 @@ def _hit_columns(columns, valid, vocab, xp):
     column, which is dropped): duplicate ids write the same value, so every runtime agrees.
     """
     leading = tuple(xp.shape(columns)[:-1])
-    columns = xp.reshape(xp.where(valid, columns, vocab), (-1, xp.shape(columns)[-1]))
-    rows = xp.shape(columns)[0]
+    rows = 1
+    for size in leading:  # not -1: a reshape cannot infer it when the other size is 0
+        rows = rows * size
+    columns = xp.reshape(xp.where(valid, columns, vocab), (rows, xp.shape(columns)[-1]))
     if xp.__name__ == "numpy":
         table = xp.zeros((rows, vocab + 1), bool)
         xp.put_along_axis(table, columns.astype("int64"), True, axis=1)

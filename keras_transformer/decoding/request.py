@@ -28,6 +28,10 @@ from keras_transformer.decoding.controls import DecodingOptions, Hypotheses
 from keras_transformer.decoding.search import Controls, _beam, _controls, _inference, _sample
 from keras_transformer.layers.masks import padding_mask
 from keras_transformer.layers.portable_ops import argmax, gather_rows
+from keras_transformer.utils.checks import check_choice
+
+# The searches `decode` chooses between (module docstring).
+SEARCHES = ("beam", "beam_with_controls", "sample")
 
 
 def _static(value):
@@ -58,6 +62,7 @@ def decode(
     sentence_ids=None,
     blank=None,
     cache_policy="auto",
+    search=None,
 ):
     """Decodes `source_ids` int `(batch, len_src)` under `options` (module docstring).
 
@@ -72,6 +77,10 @@ def decode(
         blank: bool `(vocab,)`, `policy.blank_ids` of the tokenizer: sources made of these
             only are empty. None: every source is searched.
         cache_policy: of the searches.
+        search: None (chosen per request), or one of `SEARCHES` whatever the options say
+            (`"beam"`: the plain beam search, `"beam_with_controls"`, `"sample"`) and
+            without alignments: the ONNX export converts each alone and chooses between
+            them itself (`keras_transformer_export.onnx`).
 
     Returns:
         `Hypotheses`.
@@ -107,10 +116,11 @@ def decode(
         suppress_sequences,
         gather_rows(sentence_ids, keep),
         cache_policy,
+        search,
     )
     return Hypotheses(
         *(
-            None if full is None else ops.scatter_update(full, keep[:, None], part)
+            None if full is None or part is None else ops.scatter_update(full, keep[:, None], part)
             for full, part in zip(template, found)
         )
     )
@@ -139,7 +149,9 @@ def _empty_hypotheses(config, batch, options, max_len):
     return Hypotheses(ids, zeros, zeros, alignments)
 
 
-def _decode(model, source_ids, options, beam_size, prefix, suppress_sequences, sentence_ids, cache_policy):
+def _decode(
+    model, source_ids, options, beam_size, prefix, suppress_sequences, sentence_ids, cache_policy, search
+):
     """`decode` of sources that all have content."""
     o = options
     banned, controls = _controls(
@@ -181,20 +193,23 @@ def _decode(model, source_ids, options, beam_size, prefix, suppress_sequences, s
         n = o.num_return
         return Hypotheses(ids[:, :n], scores[:, :n], log_probs[:, :n])
 
-    def with_controls(run):
-        def on():
-            return run(controls)
+    if search is not None:  # one search, as asked
+        check_choice("search", search, SEARCHES)
+        return {"beam": searched, "beam_with_controls": searched, "sample": sampled}[search](
+            Controls() if search == "beam" else controls
+        )
 
-        def off():
-            return run(Controls())
+    def controlled():
+        return searched(controls)
 
-        return _branch(_controls_on(model.config, controls), on, off)
+    def plain():
+        return searched(Controls())
 
-    def sampling():
-        return with_controls(sampled)
+    def sampling():  # with its controls (no-ops where off): a second sampling loop is not worth it
+        return sampled(controls if not all(_static(v) for v in controls) or controls.any_on() else Controls())
 
     def searching():
-        return with_controls(searched)
+        return _branch(_controls_on(model.config, controls), controlled, plain)
 
     topk = o.sampling_topk
     result = _branch(topk != 1 if _static(topk) else ops.not_equal(topk, 1), sampling, searching)
@@ -210,6 +225,20 @@ def _decode(model, source_ids, options, beam_size, prefix, suppress_sequences, s
         return ops.full(ops.shape(result.ids), -1, "int32")
 
     return result._replace(alignments=_branch(o.return_alignments, aligned, unaligned))
+
+
+def search_choice(config, options, target_prefix, suppress_sequences):
+    """`(sampling, with_controls)`: whether `decode` samples, and whether its beam search has the
+    per-step controls, for a request (bools, or bool tensors for tensor options)."""
+    _, controls = _controls(
+        config,
+        target_prefix=_padded(target_prefix, config.pad_id),
+        suppress_sequences=suppress_sequences,
+        no_repeat_ngram_size=options.no_repeat_ngram_size,
+        repetition_penalty=options.repetition_penalty,
+    )
+    topk = options.sampling_topk
+    return (topk != 1 if _static(topk) else ops.not_equal(topk, 1)), _controls_on(config, controls)
 
 
 def _controls_on(config, controls):

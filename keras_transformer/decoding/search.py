@@ -324,7 +324,9 @@ def _sample(
     scores = log_probs / length_penalty_of(lengths, alpha)
     shape = (batch, num_return)
     return Translations(
-        ops.reshape(tokens, (*shape, -1)), ops.reshape(scores, shape), ops.reshape(log_probs, shape)
+        ops.reshape(tokens, (*shape, ops.shape(tokens)[1])),
+        ops.reshape(scores, shape),
+        ops.reshape(log_probs, shape),
     )
 
 
@@ -685,7 +687,7 @@ class _BeamSearch:
         prefix = [state[key] for key in self.prefix_keys]
         log_probs = self.setup.step_log_probs(logits, state["alive"], step, limits, self.controls, *prefix)
         vocab = ops.shape(log_probs)[-1]
-        candidates = ops.reshape(state["alive_log_probs"][:, :, None] + log_probs, (sentences, -1))
+        candidates = ops.reshape(state["alive_log_probs"][:, :, None] + log_probs, (sentences, beam * vocab))
         top_log_probs, top_index = ops.top_k(candidates, k=beam)  # (sentences, beam)
         origin = top_index // vocab  # which live hypothesis each candidate extends
         tokens = ops.cast(top_index % vocab, "int32")
