@@ -26,6 +26,7 @@ output, stopping rule; a pool of finished hypotheses and the same
 tie-breaking), so it returns the same tokens.
 """
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -56,7 +57,7 @@ def _decoding_module(name):
 policy = _decoding_module("policy")
 rules = _decoding_module("controls")
 sampling = _decoding_module("sampling")
-alignments = _decoding_module("alignments")
+alignments_module = _decoding_module("alignments")
 DecodingOptions, Hypotheses = rules.DecodingOptions, rules.Hypotheses
 NEG_INF = np.float32(policy.NEG_INF)
 UNK_ID = policy.UNK_ID  # kept by detokenization (keras_transformer.data.tokenizer)
@@ -376,28 +377,87 @@ def _top_k(values, k):
 
 
 class FullGraphSearch:
-    """`translate.onnx`: the whole beam search as one ONNX `Loop`."""
+    """`translate.onnx`: the whole search inside one graph; a request's options are its inputs."""
 
-    def __init__(self, export_dir, threads=None):
+    def __init__(self, export_dir, threads=None, metadata=None):
+        metadata = metadata or read_metadata(export_dir)
+        self.beam_size, self.options = metadata["decoding"]["beam_size"], export_options(metadata)
         self.session = make_session(os.path.join(export_dir, "translate.onnx"), threads)
         self.names = [o.name for o in self.session.get_outputs()]
 
     def __call__(self, source_ids):
-        source_ids = np.asarray(source_ids, np.int32)
-        if source_ids.shape[0] == 0:  # the graph's reshapes need a batch >= 1 (module docstring)
-            return np.zeros((0, 1), np.int32), np.zeros((0,), np.float32)
-        outputs = dict(zip(self.names, self.session.run(None, {"source_ids": source_ids})))
-        return outputs["target_ids"], outputs["scores"]
+        """The best `(target_ids (batch, max_len), scores (batch,))` under the export's options."""
+        found = self.search(source_ids)
+        return found.ids[:, 0], found.scores[:, 0]
+
+    def search(
+        self, source_ids, options=None, target_prefix=None, suppress_sequences=None, sentence_ids=None
+    ):
+        """`Hypotheses` (as `SplitBeamSearch.search`): only the options that differ from the
+        export's are sent, the graph's initializers give the others."""
+        outputs = dict(
+            zip(
+                self.names,
+                self.session.run(
+                    None,
+                    request_feed(
+                        source_ids, options, self.options, target_prefix, suppress_sequences, sentence_ids
+                    ),
+                ),
+            )
+        )
+        asked = (options or self.options).return_alignments
+        return Hypotheses(
+            outputs["nbest_ids"], outputs["nbest_scores"], outputs["nbest_log_probs"],
+            outputs["alignments"] if asked else None,
+        )  # fmt: skip
+
+
+def request_feed(
+    source_ids, options, defaults, target_prefix=None, suppress_sequences=None, sentence_ids=None
+):
+    """The inputs of `translate.onnx` (or `translate_text.onnx`, with `text` for `source_ids`) for a
+    request: the options that differ from `defaults` (the export's), and the prefix, banned
+    sequences and sentence indices where given (token lists)."""
+    feed = {} if source_ids is None else {"source_ids": np.asarray(source_ids, np.int32)}
+    if options is not None:
+        for name, value in dataclasses.asdict(options).items():
+            if value != getattr(defaults, name):
+                dtype = (
+                    np.int64
+                    if name == "seed"
+                    else {bool: np.bool_, int: np.int32, float: np.float32}[type(value)]
+                )
+                feed[name] = np.array(value, dtype)
+    pad = 0
+    if target_prefix is not None:
+        feed["target_prefix"] = _token_array(target_prefix, pad)
+    if suppress_sequences:
+        feed["suppress_sequences"] = _token_array(suppress_sequences, pad)
+    if sentence_ids is not None:
+        feed["sentence_ids"] = np.asarray(sentence_ids, np.int32)
+    return feed
 
 
 class TextGraph:
-    """`translate_text.onnx`: strings in, strings out, tokenization inside (onnxruntime-extensions)."""
+    """`translate_text.onnx`: strings in, strings out, tokenization inside (onnxruntime-extensions);
+    the options as `translate.onnx`'s (the prefix and banned sequences as ids)."""
 
-    def __init__(self, export_dir, threads=None):
+    def __init__(self, export_dir, threads=None, metadata=None):
+        metadata = metadata or read_metadata(export_dir)
+        self.options = export_options(metadata)
         self.session = make_session(os.path.join(export_dir, "translate_text.onnx"), threads)
         self.names = [o.name for o in self.session.get_outputs()]
 
     def __call__(self, sentences):
+        """`(translations, scores)`: the best of each sentence under the export's options."""
+        outputs = self.run(sentences)
+        if outputs is None:
+            return [], np.zeros((0,), np.float32)
+        return [str(t) for t in outputs["translation"]], outputs["score"]
+
+    def run(self, sentences, options=None, target_prefix=None, suppress_sequences=None, sentence_ids=None):
+        """The graph's outputs by name (None for no sentences)."""
         # ONNX Runtime's Python binding takes `str` (it would turn `bytes` into "b'...'"): bytes are
         # decoded here, invalid UTF-8 replaced by U+FFFD as the SavedModel and the CLI do. And a
         # string reaches the graph cut at its first NUL, which the tokenizer reads as a space
@@ -405,13 +465,15 @@ class TextGraph:
         sentences = [s.decode("utf-8", errors="replace") if isinstance(s, bytes) else s for s in sentences]
         sentences = [s.replace("\x00", " ") for s in sentences]
         if not sentences:
-            return [], np.zeros((0,), np.float32)
-        outputs = dict(zip(self.names, self.session.run(None, {"text": np.array(sentences, dtype=object)})))
-        return [str(t) for t in outputs["translation"]], outputs["score"]
+            return None
+        feed = request_feed(None, options, self.options, target_prefix, suppress_sequences, sentence_ids)
+        feed["text"] = np.array(sentences, dtype=object)
+        return dict(zip(self.names, self.session.run(None, feed)))
 
 
 class OnnxTranslator:
-    """Text in, text out with ONNX Runtime (see the module docstring).
+    """Text in, text out with ONNX Runtime (see the module docstring), with every decoding
+    control (`keras_transformer.decoding.controls`) per call.
 
     Args:
         export_dir: the directory `export_onnx` wrote.
@@ -432,14 +494,14 @@ class OnnxTranslator:
             raise ValueError(f"mode must be one of {self.MODES}; got {mode!r}.")
         metadata = read_metadata(export_dir)
         self.config = metadata["model"]
+        self.beam_size, self.options = metadata["decoding"]["beam_size"], export_options(metadata)
         self.processor = sentencepiece.SentencePieceProcessor(
             model_file=os.path.join(export_dir, "tokenizer.model")
         )
         self.mode = mode
-        if mode == "split":
-            self.search = SplitBeamSearch(export_dir, threads, metadata)
-        else:
-            self.search = {"full": FullGraphSearch, "text": TextGraph}[mode](export_dir, threads)
+        self.search = {"full": FullGraphSearch, "split": SplitBeamSearch, "text": TextGraph}[mode](
+            export_dir, threads, metadata
+        )
         self.batch_size = batch_size
 
     def encode(self, sentences):
@@ -463,22 +525,86 @@ class OnnxTranslator:
             texts.append(self.processor.decode([i for i in row if i > config["eos_id"] or i == UNK_ID]))
         return texts
 
-    def translate(self, sentences):
-        """`(texts, scores)` for a list of strings, in input order."""
-        sentences = list(sentences)
+    def translate(self, sentences, **options):
+        """`(texts, scores)` for a list of strings, in input order: the best of each
+        (`translate_hypotheses` for n-best lists, prefixes and alignments)."""
+        if not options and self.mode == "text":  # the graph's own strings
+            return self._translate_text(list(sentences))
+        hypotheses = self.translate_hypotheses(sentences, **options)
+        return [h[0].text for h in hypotheses], np.array([h[0].score for h in hypotheses], np.float32)
+
+    def _translate_text(self, sentences):
         texts, scores = [""] * len(sentences), np.zeros(len(sentences), np.float32)
-        lengths = [len(ids) for ids in self.processor.encode(sentences)]
-        order = np.argsort(lengths, kind="stable")
-        for start in range(0, len(order), self.batch_size):
-            batch = [sentences[i] for i in order[start : start + self.batch_size]]
-            if self.mode == "text":
-                batch_texts, batch_scores = self.search(batch)
-            else:
-                ids, batch_scores = self.search(self.encode(batch))
-                batch_texts = self.decode(ids)
-            for index, text, score in zip(order[start : start + self.batch_size], batch_texts, batch_scores):
+        for indices in self._batches(sentences):
+            batch_texts, batch_scores = self.search([sentences[i] for i in indices])
+            for index, text, score in zip(indices, batch_texts, batch_scores):
                 texts[index], scores[index] = text, score
         return texts, scores
+
+    def _batches(self, sentences):
+        """Index arrays of the batches, sentences sorted by length (less padding)."""
+        order = np.argsort([len(ids) for ids in self.processor.encode(sentences)], kind="stable")
+        return [order[start : start + self.batch_size] for start in range(0, len(order), self.batch_size)]
+
+    def translate_hypotheses(self, sentences, target_prefix=None, suppress_sequences=None, **options):
+        """A list (one per sentence) of `num_return` `Hypothesis`, as `Translator.translate_hypotheses`.
+
+        `target_prefix`: one string (or None) per sentence; `suppress_sequences`: strings;
+        `options`: `DecodingOptions` fields for this call (`ValueError` for bad ones).
+        """
+        options = self.options.replace(**options).check(self.beam_size)
+        sentences = list(sentences)
+        config = self.config
+        vocab = config["target_vocab_size"] or config["vocab_size"]
+        reserved = [config[name] for name in rules.RESERVED_IDS]
+        if target_prefix is not None and (
+            isinstance(target_prefix, str) or len(target_prefix) != len(sentences)
+        ):
+            raise ValueError(
+                f"target_prefix must be a list with one string (or None) per sentence: {len(sentences)}."
+            )
+        prefixes = self.processor.encode(
+            ["" if p is None else p for p in target_prefix or [None] * len(sentences)]
+        )
+        sequences = self.processor.encode(list(suppress_sequences or []))
+        rules.check_token_lists("target_prefix", prefixes, vocab, reserved)
+        rules.check_token_lists("suppress_sequences", sequences, vocab, reserved)
+        results = [None] * len(sentences)
+        for indices in self._batches(sentences):
+            source_ids = self.encode([sentences[i] for i in indices])
+            prefix = [prefixes[i] for i in indices]
+            rules.check_prefix_lengths(
+                list(map(len, prefix)), np.sum(source_ids != config["pad_id"], axis=1).tolist(),
+                config["max_length"], options.max_extra_length, indices.tolist(),
+            )  # fmt: skip
+            found, best = self._search(indices, sentences, source_ids, options, prefix, sequences)
+            for row, index in enumerate(indices):
+                texts = self.decode(found.ids[row])
+                if best is not None:
+                    texts[0] = best[row]
+                alignments = None
+                if options.return_alignments:
+                    source = self.processor.encode(sentences[index], out_type=str)[: config["max_length"] - 1]
+                    piece = self.processor.id_to_piece
+                    alignments = [
+                        alignments_module.word_alignment(source, [piece(int(i)) for i in ids], aligned)
+                        for ids, aligned in zip(found.ids[row], found.alignments[row])
+                    ]
+                results[index] = rules.sentence_hypotheses(
+                    texts, found.scores[row], found.log_probs[row], alignments
+                )
+        return results
+
+    def _search(self, indices, sentences, source_ids, options, prefix, sequences):
+        """`(Hypotheses, the graph's best strings or None)` of one batch."""
+        sentence_ids = indices.astype(np.int32)
+        if self.mode != "text":
+            return self.search.search(source_ids, options, prefix, sequences, sentence_ids), None
+        outputs = self.search.run([sentences[i] for i in indices], options, prefix, sequences, sentence_ids)
+        found = Hypotheses(
+            outputs["nbest_ids"], outputs["nbest_scores"], outputs["nbest_log_probs"], outputs["alignments"]
+        )
+        return found, [str(t) for t in outputs["translation"]]
 
 
 def main(argv=None):

@@ -121,6 +121,45 @@ class Hypotheses(NamedTuple):
     alignments: object = None
 
 
+class Hypothesis(NamedTuple):
+    """One translation of a sentence, as the text interfaces return it (`Translator`,
+    `OnnxTranslator`, `CTranslate2Translator`'s `translate_hypotheses`).
+
+    text: the translation. score: log-probability / GNMT length penalty.
+    log_prob: the log-probability of the output (EOS included).
+    alignment: with `return_alignments`, sorted `(source word, target word)` index pairs
+        (`keras_transformer.decoding.alignments.word_alignment`), else None.
+    """
+
+    text: str
+    score: float
+    log_prob: float
+    alignment: list = None
+
+
+def sentence_hypotheses(texts, scores, log_probs, alignments=None):
+    """The `Hypothesis` list of one sentence from its `num_return` results, best first: a result
+    at `NEG_INF` is none (fewer exist), except the first (there is always one)."""
+    alignments = alignments if alignments is not None else [None] * len(texts)
+    fields = zip(texts, map(float, scores), map(float, log_probs), alignments)
+    return [Hypothesis(*values) for i, values in enumerate(fields) if i == 0 or values[2] > NEG_INF / 2]
+
+
+def check_prefix_lengths(prefix_lengths, source_lengths, max_length, max_extra_length, indices=None):
+    """Raises `ValueError` for the first prefix that leaves no room for EOS in its sentence's
+    output limit (`policy.output_limits`): lengths are Python ints per sentence, `indices` the
+    sentences' indices in the request (default their order)."""
+    indices = range(len(prefix_lengths)) if indices is None else indices
+    for index, length, source in zip(indices, prefix_lengths, source_lengths):
+        limit = min(max(source + max_extra_length, 1), max_length)
+        if length > limit - 1:
+            raise ValueError(
+                f"target_prefix of sentence {index} has {length} pieces, more than its output limit "
+                f"allows ({limit} tokens with EOS: source length + max_extra_length, at most the "
+                f"model's max_length); raise max_extra_length or shorten the prefix."
+            )
+
+
 OPTION_TYPES = {field.name: field.type for field in dataclasses.fields(DecodingOptions)}
 _KINDS = {int: numbers.Integral, float: numbers.Real, bool: bool}
 _KIND_NAMES = {int: "an integer", float: "a number", bool: "True or False"}

@@ -20,9 +20,11 @@ from keras_transformer.decoding.controls import (
     OPTION_TYPES,
     RESERVED_IDS,
     DecodingOptions,
+    check_prefix_lengths,
     check_token_lists,
     option_holds,
     option_rules,
+    sentence_hypotheses,
 )
 from keras_transformer.decoding.request import decode
 from keras_transformer.decoding.search import token_array
@@ -65,21 +67,6 @@ class SentenceAttention(NamedTuple):
     source_pieces: list
     target_pieces: list
     target: str
-
-
-class Hypothesis(NamedTuple):
-    """One output of `Translator.translate_hypotheses`.
-
-    text: the translation. score: log-probability / GNMT length penalty.
-    log_prob: the log-probability of the output (EOS included).
-    alignment: with `return_alignments`, `(source word, target word)` index pairs (Pharaoh
-        `i-j`, words split at spaces of the normalized text; `word_alignment`), else None.
-    """
-
-    text: str
-    score: float
-    log_prob: float
-    alignment: list = None
 
 
 # The graph dtype of each `DecodingOptions` field (the seed is int64: any 63-bit seed).
@@ -287,17 +274,14 @@ class Translator:
         return config.target_vocab, [getattr(config, name) for name in RESERVED_IDS]
 
     def _check_prefix_lengths(self, source_ids, prefix, options, indices):
-        config = self.model.config
-        lengths = np.sum(source_ids != config.pad_id, axis=1)
-        limits = policy.output_limits(lengths, config.max_length, np, options.max_extra_length)
-        prefix_lengths = np.sum(prefix != config.pad_id, axis=1)
-        for index, length, limit in zip(indices, prefix_lengths, limits):
-            if length > limit - 1:
-                raise ValueError(
-                    f"target_prefix of sentence {index} has {length} pieces, more than its output limit "
-                    f"allows ({limit} tokens with EOS: source length + max_extra_length, at most the "
-                    f"model's max_length); raise max_extra_length or shorten the prefix."
-                )
+        pad = self.model.config.pad_id
+        check_prefix_lengths(
+            np.sum(prefix != pad, axis=1).tolist(),
+            np.sum(source_ids != pad, axis=1).tolist(),
+            self.model.config.max_length,
+            options.max_extra_length,
+            indices.tolist(),
+        )
 
     def search_ids(
         self, source_ids, target_prefix=None, suppress_sequences=None, sentence_ids=None, **options
@@ -332,11 +316,7 @@ class Translator:
                 word_alignment(source, [piece(int(i)) for i in hypothesis], alignment)
                 for hypothesis, alignment in zip(ids, found.alignments[row].numpy())
             ]
-        fields = zip(
-            texts, found.scores[row].numpy().tolist(), found.log_probs[row].numpy().tolist(), alignments
-        )
-        # A hypothesis at NEG_INF is none: fewer than num_return exist (a prefix up to the limit).
-        return [Hypothesis(*v) for i, v in enumerate(fields) if i == 0 or v[2] > policy.NEG_INF / 2]
+        return sentence_hypotheses(texts, found.scores[row].numpy(), found.log_probs[row].numpy(), alignments)
 
     def score(self, sources, targets):
         """log p(target | source) of each pair of strings (lists of str), float32 `(n,)` in input order.
