@@ -59,6 +59,8 @@ import numpy as np
 
 from keras_transformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
 from keras_transformer.decoding import policy
+from keras_transformer.decoding.alignments import word_alignment
+from keras_transformer.decoding.controls import DecodingOptions, Hypothesis
 from keras_transformer.layers.positional_encoding import sinusoidal_table
 from keras_transformer.utils.checks import UserError
 from keras_transformer_export.layout import atomic_directory
@@ -152,7 +154,12 @@ def transformer_spec(model, tokenizer):
             "3 EOS) in the model config."
         )
     spec = specs.TransformerSpec.from_config(
-        (config.num_layers, config.num_decoder_layers), config.num_heads, pre_norm=config.norm_first
+        (config.num_layers, config.num_decoder_layers),
+        config.num_heads,
+        pre_norm=config.norm_first,
+        # `return_attention`: the last layer's cross-attention, its heads averaged (as our alignments)
+        alignment_layer=-1,
+        alignment_heads=config.num_heads,
     )
     positions = sinusoidal_table(config.max_length, config.d_model)
     for side, stack, embedding in (
@@ -249,6 +256,11 @@ def export_ctranslate2(
     return os.path.abspath(out_dir)
 
 
+def _without(pieces, eos):
+    """`pieces` without a last EOS (what `score_batch` takes: it appends EOS itself)."""
+    return pieces[:-1] if pieces[-1:] == [eos] else pieces
+
+
 class CTranslate2Translator:
     """Translates text with a directory written by `export_ctranslate2`.
 
@@ -315,59 +327,86 @@ class CTranslate2Translator:
 
     def translate_tokens(self, tokens):
         """Pieces in, `(pieces, score)` out per sentence (EOS not included), GNMT-ranked."""
+        found = self._search(
+            tokens,
+            DecodingOptions(length_penalty=self.length_penalty, max_extra_length=self.max_extra_length),
+        )
+        return [(hypotheses[0][0], hypotheses[0][1]) for hypotheses in found]
+
+    def _search(self, tokens, options, prefixes=None, sequences=()):
+        """Per sentence, its hypotheses `(pieces without EOS, score, log-probability, attention)`,
+        best first (samples: CTranslate2's order)."""
         results = [None] * len(tokens)
         by_length = {}
         for index, pieces in enumerate(tokens):
             by_length.setdefault(len(pieces), []).append(index)
+        extra = dict(
+            min_decoding_length=max(0, options.min_length - 1),  # CTranslate2 counts without EOS
+            disable_unk=options.disable_unk,
+            no_repeat_ngram_size=options.no_repeat_ngram_size,
+            repetition_penalty=options.repetition_penalty,
+            suppress_sequences=self.never + [list(s) for s in sequences],
+            return_attention=options.return_alignments,
+        )
+        if options.sampling:
+            _ctranslate2().set_random_seed(options.seed)
+            extra.update(
+                beam_size=1, num_hypotheses=options.num_return, sampling_topk=options.sampling_topk,
+                sampling_topp=options.sampling_topp, sampling_temperature=options.sampling_temperature,
+            )  # fmt: skip
+        else:
+            extra.update(beam_size=self.beam_size, num_hypotheses=self.beam_size)
         for length, indices in sorted(by_length.items()):
             # keras_transformer.decoding.search allows source length (EOS included) + extra tokens,
             # EOS included, and forces EOS at the last one: as many tokens before EOS as
             # CTranslate2 produces with one less (it counts EOS, and stops without it).
-            limit = max(1, min(length + 1 + self.max_extra_length, self.max_length) - 1)
+            limit = max(1, min(length + 1 + options.max_extra_length, self.max_length) - 1)
             for start in range(0, len(indices), self.batch_size):
                 chunk = indices[start : start + self.batch_size]
                 sources = [tokens[i] for i in chunk]
+                prefix = None if prefixes is None else [prefixes[i] or None for i in chunk]
                 outputs = self.translator.translate_batch(
-                    sources,
-                    beam_size=self.beam_size,
-                    num_hypotheses=self.beam_size,
-                    length_penalty=0.0,
-                    return_scores=True,
-                    return_end_token=True,
-                    max_decoding_length=limit,
-                    suppress_sequences=self.never,
-                )
-                for index, ranked in zip(chunk, self._rank(sources, outputs)):
-                    results[index] = ranked
+                    sources, prefix, length_penalty=0.0, return_scores=True, return_end_token=True,
+                    max_decoding_length=limit, **extra,
+                )  # fmt: skip
+                ranked = self._rank(sources, outputs, options, rescore=prefix is not None and any(prefix))
+                for index, hypotheses in zip(chunk, ranked):
+                    results[index] = hypotheses[: options.num_return]
         return results
 
-    def _rank(self, sources, outputs):
-        """The best hypothesis of each output by GNMT-penalized log-probability.
+    def _rank(self, sources, outputs, options, rescore=False):
+        """Each output's hypotheses by GNMT-penalized log-probability (samples keep their order).
 
         A hypothesis stopped at the length limit has no EOS; ours ends with a
         forced EOS whose log-probability counts, so it is rescored with EOS
-        (`score_batch` appends it) before ranking.
+        (`score_batch` appends it) before ranking. With a target prefix every
+        hypothesis is rescored (CTranslate2 leaves the prefix out of its scores).
         """
         eos = self.processor.id_to_piece(EOS_ID)
         hypotheses = [[list(h) for h in output.hypotheses] for output in outputs]
         scores = [list(output.scores) for output in outputs]
+        attention = [list(output.attention) or [None] * len(output.hypotheses) for output in outputs]
         unfinished = [
-            (i, j) for i, hyps in enumerate(hypotheses) for j, h in enumerate(hyps) if not h or h[-1] != eos
+            (i, j)
+            for i, hyps in enumerate(hypotheses)
+            for j, h in enumerate(hyps)
+            if rescore or not h or h[-1] != eos
         ]
         if unfinished:
+            without_eos = {(i, j): _without(hypotheses[i][j], eos) for i, j in unfinished}
             rescored = self.translator.score_batch(
-                [sources[i] for i, _ in unfinished], [hypotheses[i][j] for i, j in unfinished]
+                [sources[i] for i, _ in unfinished], [without_eos[key] for key in unfinished]
             )
             for (i, j), result in zip(unfinished, rescored):
-                hypotheses[i][j] = hypotheses[i][j] + [eos]
+                hypotheses[i][j] = without_eos[i, j] + [eos]
                 scores[i][j] = float(np.sum(result.log_probs))
         ranked = []
-        for hyps, log_probs in zip(hypotheses, scores):
-            penalized = [
-                (p / policy.length_penalty(len(h), self.length_penalty), h) for h, p in zip(hyps, log_probs)
+        for hyps, log_probs, weights in zip(hypotheses, scores, attention):
+            entries = [
+                (h[:-1], p / policy.length_penalty(len(h), options.length_penalty), p, a)
+                for h, p, a in zip(hyps, log_probs, weights)
             ]
-            score, best = max(penalized, key=lambda pair: pair[0])
-            ranked.append((best[:-1], score))
+            ranked.append(entries if options.sampling else sorted(entries, key=lambda e: -e[1]))
         return ranked
 
     def translate(self, sentences):
@@ -375,6 +414,47 @@ class CTranslate2Translator:
         results = self.translate_tokens(self.tokenize(sentences))
         texts = [self.processor.decode_pieces(pieces) for pieces, _ in results]
         return texts, np.array([score for _, score in results], np.float32)
+
+    def translate_hypotheses(self, sentences, target_prefix=None, suppress_sequences=None, **options):
+        """`Translator.translate_hypotheses` with CTranslate2: each control mapped to its own
+        (docs/decoding.md). Sampling uses CTranslate2's random generator (seeded with `seed`):
+        valid samples, but not ours (no runtime's generator gives ours)."""
+        options = (
+            DecodingOptions(length_penalty=self.length_penalty, max_extra_length=self.max_extra_length)
+            .replace(**options)
+            .check(self.beam_size)
+        )
+        sentences = list(sentences)
+        tokens = self.tokenize(sentences)
+        prefixes = None
+        if target_prefix is not None:
+            prefixes = self.processor.encode(["" if p is None else p for p in target_prefix], out_type=str)
+        sequences = self.processor.encode(list(suppress_sequences or []), out_type=str)
+        blank = policy.blank_ids(
+            [self.processor.id_to_piece(i) for i in range(self.processor.get_piece_size())], UNK_ID
+        )
+        content = [
+            i
+            for i, pieces in enumerate(tokens)
+            if not all(blank[self.processor.piece_to_id(p)] for p in pieces)
+        ]
+        found = self._search(
+            [tokens[i] for i in content], options, prefixes and [prefixes[i] for i in content], sequences
+        )
+        results = [[Hypothesis("", 0.0, 0.0, [] if options.return_alignments else None)] for _ in sentences]
+        for index, hypotheses in zip(content, found):
+            results[index] = [
+                Hypothesis(
+                    self.processor.decode_pieces(pieces),
+                    float(score),
+                    float(log_prob),
+                    word_alignment(tokens[index], pieces, [int(np.argmax(a)) for a in weights])
+                    if options.return_alignments
+                    else None,
+                )
+                for pieces, score, log_prob, weights in hypotheses
+            ]
+        return results
 
 
 def main(argv=None):

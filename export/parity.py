@@ -87,6 +87,31 @@ def translate_in_subprocess(onnx_dir, sentences, mode):
     return json.loads(completed.stdout)
 
 
+def hypotheses_in_subprocess(onnx_dir, requests, mode="text"):
+    """`OnnxTranslator(onnx_dir, mode).translate_hypotheses(sentences, **options)` for each
+    `(sentences, options)` of `requests`, in a fresh Python without TensorFlow (the text graph
+    needs one): per request, per sentence, `[text, score, log_prob, alignment]` lists."""
+    code = (
+        "import json, sys; from keras_transformer_export.onnx_runtime import OnnxTranslator; "
+        f"translator = OnnxTranslator(sys.argv[1], {mode!r}); "
+        "print(json.dumps([translator.translate_hypotheses(s, **o) for s, o in json.load(sys.stdin)]))"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    completed = subprocess.run(
+        [sys.executable, "-c", code, onnx_dir],
+        input=json.dumps(requests),
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    if completed.returncode != 0:
+        raise RuntimeError(
+            f"ONNX Runtime ({mode}) failed with status {completed.returncode}:\n{completed.stderr[-2000:]}"
+        )
+    return json.loads(completed.stdout)
+
+
 def max_logit_difference(model, tokenizer, onnx_dir, sentences, targets):
     """Largest |logit| difference between `forward.onnx` and Keras, teacher-forced on `targets`."""
     from keras_transformer.data.tokenizer import BOS_ID

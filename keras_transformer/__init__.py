@@ -16,7 +16,11 @@ EXPORTS = {
     "sequence_task": "keras_transformer.data.toy_tasks",
     "Tokenizer": "keras_transformer.data.tokenizer",
     "make_dataset": "keras_transformer.data.batching",
-    **dict.fromkeys(["Translations", "beam_search", "greedy_search"], "keras_transformer.decoding.search"),
+    **dict.fromkeys(
+        ["Translations", "beam_search", "greedy_search", "sample"], "keras_transformer.decoding.search"
+    ),
+    **dict.fromkeys(["DecodingOptions", "Hypotheses", "Hypothesis"], "keras_transformer.decoding.controls"),
+    **dict.fromkeys(["align", "decode"], "keras_transformer.decoding.request"),
     "Translator": "keras_transformer.decoding.translator",
     **dict.fromkeys(["Scores", "score_translations"], "keras_transformer.evaluation"),
     **dict.fromkeys(

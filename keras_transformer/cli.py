@@ -39,6 +39,7 @@ from keras_transformer.utils.arguments import (  # noqa: F401  (public: the expo
     positive_float,
     positive_int,
 )
+from keras_transformer.utils.checks import UserError
 
 
 def _presets(args):
@@ -80,6 +81,7 @@ def _load(args):
         run.tokenizer(),
         beam_size=args.beam_size,
         length_penalty=args.length_penalty,
+        max_extra_length=getattr(args, "max_extra_length", policy.MAX_EXTRA_LENGTH),
         batch_size=args.batch_size,
     )
     return run, model, translator
@@ -109,6 +111,9 @@ class _Progress:
 
 
 def _translate(args):
+    from keras_transformer.decoding.alignments import pharaoh
+
+    options, prefixes, sequences = _request(args)  # checked before the model loads
     _, _, translator = _load(args)
     lines = []
     for number, raw in enumerate(sys.stdin.buffer, start=1):
@@ -122,14 +127,73 @@ def _translate(args):
                 file=sys.stderr,
             )
             lines.append(text.decode("utf-8", errors="replace"))
+    if prefixes is not None and len(prefixes) != len(lines):
+        raise UserError(
+            f"--prefix-file has {len(prefixes)} lines and the input {len(lines)}: give one prefix "
+            f"line (empty for none) per input line."
+        )
     progress = _Progress(len(lines))
-    texts, scores = translator.translate(lines, progress)
+    try:
+        found = translator.translate_hypotheses(
+            lines, progress, target_prefix=prefixes, suppress_sequences=sequences, **options
+        )
+    except ValueError as error:
+        raise UserError(str(error)) from None
     progress.close()
     output = sys.stdout
-    for text, score in zip(texts, scores):
-        output.write(f"{text}\t{score:.4f}\n" if args.scores else f"{text}\n")
+    for index, hypotheses in enumerate(found):
+        for hypothesis in hypotheses if args.n_best else hypotheses[:1]:
+            alignment = pharaoh(hypothesis.alignment) if args.alignments else None
+            if args.n_best:  # Marian's and fairseq's n-best format
+                fields = [str(index), hypothesis.text, f"{hypothesis.score:.4f}"]
+                output.write(" ||| ".join(fields + ([alignment] if args.alignments else [])) + "\n")
+            else:
+                fields = [hypothesis.text] + ([f"{hypothesis.score:.4f}"] if args.scores else [])
+                output.write("\t".join(fields + ([alignment] if args.alignments else [])) + "\n")
     output.flush()
     return 0
+
+
+def _request(args):
+    """`(options, prefixes, banned sequences)` of `translate`'s arguments, checked (`UserError`)."""
+    from keras_transformer.decoding.controls import DecodingOptions
+
+    values = {
+        "length_penalty": args.length_penalty,
+        "max_extra_length": args.max_extra_length,
+        "min_length": args.min_length,
+        "num_return": args.n_best or 1,
+        "disable_unk": args.disable_unk,
+        "no_repeat_ngram_size": args.no_repeat_ngram_size,
+        "repetition_penalty": args.repetition_penalty,
+        "sampling_topk": args.sampling_topk,
+        "sampling_topp": args.sampling_topp,
+        "sampling_temperature": args.sampling_temperature,
+        "seed": args.seed,
+        "return_alignments": args.alignments,
+    }
+    try:
+        DecodingOptions(**values).check(args.beam_size)
+    except ValueError as error:
+        flag = "--n-best" if str(error).startswith("num_return") else None
+        raise UserError(f"{flag}: {error}" if flag else str(error)) from None
+    return (
+        values,
+        _lines(args.prefix_file, "--prefix-file"),
+        _lines(args.suppress_file, "--suppress-file", True),
+    )
+
+
+def _lines(path, flag, drop_empty=False):
+    """The lines of a UTF-8 file (None without a path); a missing or unreadable one is a `UserError`."""
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as handle:
+            lines = [line.rstrip("\r\n") for line in handle]
+    except (OSError, UnicodeDecodeError) as error:
+        raise UserError(f"{flag} {path}: cannot read it ({error.__class__.__name__}: {error}).") from None
+    return [line for line in lines if line.strip()] if drop_empty else lines
 
 
 def _evaluate(args):
@@ -198,6 +262,86 @@ def add_model_arguments(parser, beam=True, batch=True):
         parser.add_argument("--batch-size", type=positive_int, default=64)
 
 
+def _decoding_arguments(parser):
+    """`translate`'s decoding controls (keras_transformer.decoding.controls; docs/decoding.md)."""
+    add = parser.add_argument
+    add(
+        "--n-best",
+        type=positive_int,
+        metavar="K",
+        help="print the K best (or K samples) per line as "
+        "'index ||| text ||| score' (K <= --beam-size unless sampling)",
+    )
+    add(
+        "--max-extra-length",
+        type=non_negative_int,
+        default=policy.MAX_EXTRA_LENGTH,
+        metavar="N",
+        help="output tokens beyond the source length, EOS included (default 50)",
+    )
+    add(
+        "--min-length",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help="no EOS before N output tokens, EOS included (default 0)",
+    )
+    add(
+        "--prefix-file",
+        metavar="F",
+        help="a prefix per input line (empty: none): each translation starts with it",
+    )
+    add("--suppress-file", metavar="F", help="strings, one per line, that no translation may contain")
+    add("--disable-unk", action="store_true", help="never output <unk>")
+    add(
+        "--no-repeat-ngram-size",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help="no n-gram of N tokens twice in an output (default 0: off)",
+    )
+    add(
+        "--repetition-penalty",
+        type=positive_float,
+        default=1.0,
+        metavar="P",
+        help="CTranslate2's penalty on the logits of tokens already output (default 1.0: off)",
+    )
+    add(
+        "--sampling-topk",
+        type=non_negative_int,
+        default=1,
+        metavar="K",
+        help="sample from the K likeliest tokens (0: all) instead of searching (default 1: beam search)",
+    )
+    add(
+        "--sampling-topp",
+        type=float,
+        default=1.0,
+        metavar="P",
+        help="sample from the smallest set of tokens whose probability reaches P (default 1.0)",
+    )
+    add(
+        "--sampling-temperature",
+        type=positive_float,
+        default=1.0,
+        metavar="T",
+        help="divide the log-probabilities by T before sampling (default 1.0)",
+    )
+    add(
+        "--seed",
+        type=non_negative_int,
+        default=0,
+        metavar="S",
+        help="the samples' seed: the same seed gives the same samples in every runtime (default 0)",
+    )
+    add(
+        "--alignments",
+        action="store_true",
+        help="append the word alignment as Pharaoh 'i-j' pairs (source word i, target word j)",
+    )
+
+
 def add_option(parser, name, **changes):
     """Adds the `TrainingOptions` field `name` to `parser` as its metadata declares it
     (flag, parser, help, default); `changes` override argparse arguments."""
@@ -264,6 +408,7 @@ def build_parser():
 
     translate = commands.add_parser("translate", help="translate stdin to stdout, one line each")
     add_model_arguments(translate)
+    _decoding_arguments(translate)
     translate.add_argument("--scores", action="store_true", help="append a tab and the score")
     translate.set_defaults(handler=_translate)
 

@@ -93,7 +93,15 @@ def decode(
     prefix = _padded(target_prefix, config.pad_id)
     if blank is None:
         return _decode(
-            model, source_ids, options, beam_size, prefix, suppress_sequences, sentence_ids, cache_policy
+            model,
+            source_ids,
+            options,
+            beam_size,
+            prefix,
+            suppress_sequences,
+            sentence_ids,
+            cache_policy,
+            search,
         )
 
     # Empty sources are not searched: the others are, and their results are written back.
