@@ -161,7 +161,8 @@ def _write_export(args, graphs, name, run):
         path = export_saved_model(graphs, args.out, name, version=args.version, overwrite=args.overwrite)
         print(
             f"Wrote the SavedModel {path} in {time.perf_counter() - start:.0f}s (signatures "
-            f"serving_default, translate_ids, score) and {os.path.join(args.out, 'models.config')}.\n"
+            f"serving_default, translate_ids, score, translate_with_options) and "
+            f"{os.path.join(args.out, 'models.config')}.\n"
             f"Serve it: docker run -p 8501:8501 -v {os.path.abspath(args.out)}:/models "
             f"-e MODEL_NAME={name} tensorflow/serving",
             file=sys.stderr,

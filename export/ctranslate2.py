@@ -430,9 +430,7 @@ class CTranslate2Translator:
         if target_prefix is not None:
             prefixes = self.processor.encode(["" if p is None else p for p in target_prefix], out_type=str)
         sequences = self.processor.encode(list(suppress_sequences or []), out_type=str)
-        blank = policy.blank_ids(
-            [self.processor.id_to_piece(i) for i in range(self.processor.get_piece_size())], UNK_ID
-        )
+        blank = policy.blank_ids(self.processor.id_to_piece, self.processor.get_piece_size())
         content = [
             i
             for i, pieces in enumerate(tokens)

@@ -124,6 +124,32 @@ def reshape_zeros_as_tensorflow(model):
     return model
 
 
+def sort_nodes(model):
+    """`model` (changed in place and returned) with each graph's nodes in an order ONNX accepts,
+    counting as a node's inputs the outer values its subgraphs read: a tool that sorts by
+    explicit inputs only (ONNX Runtime's quantizer) can put an `If` before the node that
+    makes a value its branch reads. Kahn's algorithm, the current order breaking ties."""
+    for graph in list(all_graphs(model.graph)):
+        produced = {name: index for index, node in enumerate(graph.node) for name in node.output}
+        reads = []
+        for node in graph.node:
+            names = set(node.input)
+            for subgraph in _subgraphs(node):
+                names |= {name for g in all_graphs(subgraph) for n in g.node for name in n.input}
+            reads.append({produced[name] for name in names if name in produced})
+        done, order = set(), []
+        while len(order) < len(graph.node):
+            ready = next(i for i in range(len(graph.node)) if i not in done and reads[i] <= done)
+            done.add(ready)
+            order.append(graph.node[ready])
+        nodes = [onnx.NodeProto() for _ in order]
+        for copy, node in zip(nodes, order):
+            copy.CopyFrom(node)
+        del graph.node[:]
+        graph.node.extend(nodes)
+    return model
+
+
 def store_constants_once(model):
     """`model` (changed in place and returned) with every subgraph's initializers moved into the
     main graph, each distinct tensor stored once (subgraphs read outer values by name).
@@ -632,7 +658,6 @@ def simplify(model, layer_norms=True, wheres=True):
     """`model` (changed in place and returned) with the rewrites applied (the LayerNorm fusion and the
     `Where`s only if `layer_norms` / `wheres`: benchmarks compare without them) and unused
     initializers dropped."""
-    store_constants_once(model)
     hoist_loop_invariants(model)
     collapse_tensordots(model)
     if layer_norms:
@@ -640,6 +665,8 @@ def simplify(model, layer_norms=True, wheres=True):
     if wheres:
         select_with_where(model)
     read_transposed_weights(model)
-    store_constants_once(model)  # the loops' folded constants too (each search folds its own)
+    # Last: ONNX shape inference, which the rewrites above need, does not see the types of a
+    # subgraph's outer initializers, and this moves every subgraph's into the main graph.
+    store_constants_once(model)
     _drop_unused_initializers(model.graph)
     return model

@@ -33,6 +33,7 @@ import os
 import types
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from keras_transformer.data.tokenizer import UNK_ID, Tokenizer
@@ -113,7 +114,7 @@ class TranslationGraphs:
         )
         self.num_layers = len(self.model.decoder.stack_layers)
         self.depth = self.config.d_model // self.config.num_heads
-        self.blank = tokenizer.blank_ids()
+        self.blank = np.array(policy.blank_ids(tokenizer.processor.id_to_piece, tokenizer.vocab_size), bool)
 
     # ------------------------------------------------------------- signatures
     def specs(self, name):

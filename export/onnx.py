@@ -173,10 +173,11 @@ def translate_graph(graphs):
     beam search: the conditionals are decided once per request, not per step."""
     from keras_transformer.decoding.request import SEARCHES
 
-    plan = compose.add_prefix(convert(graphs, "request_plan"), "plan/", rename_inputs=False)
-    searches = {
+    plan = convert(graphs, "request_plan")
+    plan.graph.CopyFrom(_prefixed(plan.graph, "plan/", {name: name for name in _input_names(plan)}))
+    searches = {  # each simplified alone, its Loop at the top of its graph (as the rewrites expect)
         search: _branch(
-            convert(graphs, "translate_ids_with_options", function=graphs.search_function(search)),
+            simplify(convert(graphs, "translate_ids_with_options", function=graphs.search_function(search))),
             f"{search}/",
             {name: f"plan/planned_{name}" if name in PLANNED else name for name in _input_names(plan)},
             SEARCH_OUTPUTS,
@@ -195,7 +196,9 @@ def translate_graph(graphs):
         else_branch=helper.make_graph([searched], "beam_searches", [], _renamed(outputs, "searched/")),
     )  # fmt: skip
     aligner = _branch(
-        convert(graphs, "align"), "align/", {"source_ids": "plan/planned_source_ids", "target_ids": found[2]}
+        simplify(convert(graphs, "align")),
+        "align/",
+        {"source_ids": "plan/planned_source_ids", "target_ids": found[2]},
     )
     unaligned = helper.make_graph(
         [
@@ -238,10 +241,7 @@ def _branch(model, prefix, inputs, outputs=None):
     enclosing graph as `inputs` maps them (`{input name: outer name}`), no inputs of its own,
     its outputs in the order of `outputs` (names before the prefix; an `If` pairs them by
     position, and tf2onnx sorts a function's outputs by name)."""
-    from keras_transformer_export.graph_rewrites import _rename_uses
-
-    graph = compose.add_prefix(model, prefix).graph
-    _rename_uses(graph, {prefix + name: outer for name, outer in inputs.items()})
+    graph = _prefixed(model.graph, prefix, inputs)
     del graph.input[:]
     if outputs is not None:
         by_name = {value.name: value for value in graph.output}
@@ -249,6 +249,30 @@ def _branch(model, prefix, inputs, outputs=None):
         del graph.output[:]
         graph.output.extend(ordered)
     return graph
+
+
+def _prefixed(graph, prefix, outer):
+    """A copy of `graph` with every name it defines, in it and in its subgraphs (node outputs,
+    initializers, inputs, outputs), prefixed, and its inputs renamed as `outer` maps them
+    (`onnx.compose.add_prefix` leaves a subgraph's reads of outer initializers unprefixed)."""
+    copy = onnx.GraphProto()
+    copy.CopyFrom(graph)
+    graphs = list(all_graphs(copy))
+    defined = {name for g in graphs for node in g.node for name in node.output if name}
+    defined |= {init.name for g in graphs for init in g.initializer}
+    defined |= {value.name for g in graphs for value in [*g.input, *g.output]}
+    names = {name: prefix + name for name in defined}
+    names.update(outer)
+    for g in graphs:
+        for node in g.node:
+            node.input[:] = [names.get(n, n) for n in node.input]
+            node.output[:] = [names.get(n, n) for n in node.output]
+            node.name = prefix + node.name
+        for value in [*g.input, *g.output, *g.value_info]:
+            value.name = names.get(value.name, value.name)
+        for init in g.initializer:
+            init.name = names.get(init.name, init.name)
+    return copy
 
 
 def _output_like(graph, name, new_name=None):
@@ -292,8 +316,11 @@ def with_defaults(model, defaults):
     missing = sorted(set(defaults) - inputs)
     if missing:
         raise ValueError(f"the graph has no inputs {missing}")
+    given = {init.name for init in model.graph.initializer}
     model.graph.initializer.extend(
-        numpy_helper.from_array(np.asarray(value), name) for name, value in defaults.items()
+        numpy_helper.from_array(np.asarray(value), name)
+        for name, value in defaults.items()
+        if name not in given
     )
     return model
 

@@ -12,18 +12,18 @@ tokenized with the export's `tokenizer.model` through `sentencepiece` (the
 library tf-text wraps, so the ids are the same), truncated to the model's
 `max_length` (EOS kept last) and batched by length.
 
-Limits of the ONNX graphs (not of the SavedModel): `translate.onnx` and
-`translate_text.onnx` need a batch of at least one sentence (tf2onnx's
-`Reshape`s read a 0 as "keep this dimension"; the classes here return empty
-results for an empty batch themselves), and ONNX Runtime's string tensors end
-at the first NUL character ("a\x00b" is translated as "a").
+A limit of the ONNX text graph (not of the SavedModel): ONNX Runtime's string
+tensors end at the first NUL character ("a\x00b" would be translated as "a";
+`TextGraph` replaces NUL by a space first, as the tokenizer reads it).
 
-`SplitBeamSearch` is the NumPy beam search that drives `encoder.onnx` and
-`decoder_step.onnx`: the same algorithm, in the same float32 arithmetic, as
-`keras_transformer.decoding.search.beam_search` (the rules of
-`keras_transformer.decoding.policy`: length penalty, output limits, ids never
-output, stopping rule; a pool of finished hypotheses and the same
-tie-breaking), so it returns the same tokens.
+`SplitBeamSearch` is the NumPy search that drives `encoder.onnx` and
+`decoder_step.onnx`: the same algorithms (beam search, sampling), in the same
+float32 arithmetic, as `keras_transformer.decoding.request.decode`, with the
+same rules (`keras_transformer.decoding.policy`, `.controls`, `.sampling`,
+loaded without Keras: length penalty, output limits, ids never output, stopping
+rule, every decoding control; a pool of finished hypotheses and the same
+tie-breaking), so it returns the same tokens. Every class here takes a
+request's options (`DecodingOptions`) per call.
 """
 
 import dataclasses
@@ -119,8 +119,7 @@ class SplitBeamSearch:
         processor = sentencepiece.SentencePieceProcessor(
             model_file=os.path.join(export_dir, "tokenizer.model")
         )
-        pieces = [processor.id_to_piece(i) for i in range(processor.get_piece_size())]
-        self.blank = np.array(policy.blank_ids(pieces, UNK_ID), bool)
+        self.blank = np.array(policy.blank_ids(processor.id_to_piece, processor.get_piece_size()), bool)
         self.output_names = [o.name for o in self.decoder.get_outputs()]
 
     def __call__(self, source_ids):

@@ -39,6 +39,7 @@ import tempfile
 import time
 
 from keras_transformer.utils.checks import UserError
+from keras_transformer_export.graph_rewrites import sort_nodes
 
 DEFAULT_MAX_BLEU_DROP = 1.0
 
@@ -67,7 +68,7 @@ def quantize_int8(model):
                 op_types_to_quantize=["MatMul"],
                 extra_options={"EnableSubgraph": True},
             )
-            quantized = onnx.load(path)
+            quantized = sort_nodes(onnx.load(path))
     finally:
         root.removeFilter(advice)
     quantized.doc_string = model.doc_string + " (int8)"

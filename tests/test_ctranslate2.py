@@ -244,3 +244,44 @@ def test_refusals(trained_run, run_parts, tmp_path, capsys):
         == 2
     )
     assert "--overwrite" in capsys.readouterr().err
+
+
+# Controls CTranslate2 has (docs/decoding.md): each mapped by `CTranslate2Translator.translate_hypotheses`.
+CT2_CONTROLS = {
+    "n_best": dict(num_return=3),
+    "min_length": dict(min_length=8),
+    "prefix": "prefix",
+    "suppress": dict(suppress_sequences=["the"], disable_unk=True),
+    "no_repeat_ngram": dict(no_repeat_ngram_size=2),
+    "repetition_penalty": dict(repetition_penalty=1.6),
+    "alignments": dict(return_alignments=True),
+}
+
+
+@pytest.fixture(scope="module")
+def keras_translator(run_parts):
+    return Translator(*run_parts)
+
+
+@pytest.mark.parametrize("control", list(CT2_CONTROLS))
+def test_controls_map_to_ctranslate2s(control, exports, keras_translator, sentences):
+    """Each control mapped to CTranslate2's gives Keras's best translation on the sentences both
+    searches finish before the length limit, at the bar of the plain export (>= 90% in all)."""
+    arguments = CT2_CONTROLS[control]
+    texts = sentences[:20]
+    if arguments == "prefix":
+        best = keras_translator.translate(texts)[0]
+        arguments = dict(target_prefix=[" ".join(t.split()[:2]) or None for t in best])
+    ours = keras_translator.translate_hypotheses(texts, **arguments)
+    theirs = CTranslate2Translator(exports["float32"], intra_threads=1).translate_hypotheses(
+        texts, **arguments
+    )
+    same = np.array([a[0].text == b[0].text for a, b in zip(ours, theirs)])
+    assert same.mean() >= 0.9, [
+        (a[0].text, b[0].text) for a, b in zip(ours, theirs) if a[0].text != b[0].text
+    ][:3]
+    scores = np.array([[a[0].score, b[0].score] for a, b in zip(ours, theirs)])
+    np.testing.assert_allclose(scores[same, 1], scores[same, 0], atol=1e-3)
+    if control == "alignments":
+        agree = [a[0].alignment == b[0].alignment for a, b, s in zip(ours, theirs, same) if s]
+        assert np.mean(agree) >= 0.9

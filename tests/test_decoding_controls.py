@@ -119,7 +119,8 @@ def test_the_output_rules_in_one_pass():
 def test_blank_pieces_and_empty_sources():
     assert all(policy.blank_piece(p) for p in ["\u2581", "\t", "<0x07>", "<0x20>", " \u200b"])
     assert not any(policy.blank_piece(p) for p in ["\u2581a", "<0xC3>", "<0x41>", "x"])
-    blank = np.array(policy.blank_ids(["<pad>", "<unk>", "<s>", "</s>", "\u2581", "\u2581a"], 1))
+    pieces = ["<pad>", "<unk>", "<s>", "</s>", "\u2581", "\u2581a"]
+    blank = np.array(policy.blank_ids(pieces.__getitem__, len(pieces)))
     assert blank.tolist() == [True, False, True, True, True, False]
     sources = np.array([[3, 0, 0], [4, 4, 3], [4, 5, 3], [1, 3, 0]], np.int32)
     numpy_result, keras_result = _both(lambda s, xp: policy.empty_sources(s, blank, xp), sources)

@@ -20,6 +20,7 @@ import pytest
 import tensorflow as tf
 
 from keras_transformer import cli
+from keras_transformer.decoding import policy
 from keras_transformer.decoding.controls import DecodingOptions, sentence_hypotheses
 
 SENTENCE_COUNT = 8
@@ -146,7 +147,7 @@ def _eager(parts, sentences, arguments):
         options,
         target_prefix=None if prefix is None else tokens([p or "" for p in prefix]),
         suppress_sequences=tokens(sequences) if sequences else None,
-        blank=tokenizer.blank_ids(),
+        blank=np.array(policy.blank_ids(tokenizer.processor.id_to_piece, tokenizer.vocab_size)),
     )
     rows = []
     for i, sentence in enumerate(sentences):
@@ -239,17 +240,16 @@ def test_the_controls_do_what_they_say(results, requests):
         assert all(h[2] and all(0 <= j < len(h[0].split()) for _, j in h[2]) for h in s)
 
 
-def test_sampling_does_not_depend_on_batching_and_changes_with_the_seed(parts, requests):
-    from keras_transformer.decoding.translator import Translator
-
+def test_sampling_does_not_depend_on_batching_and_changes_with_the_seed(translator, requests, monkeypatch):
     sentences, arguments = requests["sampling"]
-    alone = Translator(*parts, batch_size=1).translate_hypotheses(sentences, **arguments)
-    together = Translator(*parts, batch_size=64).translate_hypotheses(sentences, **arguments)
+    together = translator.translate_hypotheses(sentences, **arguments)  # one batch
+    monkeypatch.setattr(translator, "batch_size", 1)
+    alone = translator.translate_hypotheses(sentences, **arguments)
     assert [[h.text for h in s] for s in alone] == [[h.text for h in s] for s in together]
     np.testing.assert_allclose(
         [h.score for s in alone for h in s], [h.score for s in together for h in s], atol=1e-4
     )
-    other_seed = Translator(*parts).translate_hypotheses(sentences, **{**arguments, "seed": 8})
+    other_seed = translator.translate_hypotheses(sentences, **{**arguments, "seed": 8})
     texts = [[h.text for h in s] for s in other_seed[:SENTENCE_COUNT]]
     assert texts != [[h.text for h in s] for s in alone[:SENTENCE_COUNT]]
 

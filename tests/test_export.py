@@ -2,6 +2,7 @@
 like `keras-transformer translate`; bad input never breaks `serving_default`;
 a killed export leaves no visible version."""
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -17,6 +18,7 @@ import pytest
 import tensorflow as tf
 
 from keras_transformer import cli
+from keras_transformer.decoding.controls import DecodingOptions
 from keras_transformer.utils.checks import UserError
 from keras_transformer_export.layout import check_model_name, remove_abandoned, versions, write_models_config
 
@@ -65,7 +67,7 @@ def test_saved_model_layout_and_models_config(exported):
     assert (version / "saved_model.pb").is_file() and (version / "variables").is_dir()
     assert (version / "assets.extra" / "tokenizer.model").is_file()
     metadata = json.loads((version / "assets.extra" / "export.json").read_text())
-    assert metadata["decoding"] == {"beam_size": 4, "length_penalty": 0.6, "max_extra_length": 50}
+    assert metadata["decoding"] == {"beam_size": 4, **dataclasses.asdict(DecodingOptions())}
     config = (serving / "models.config").read_text()
     assert 'name: "tiny"' in config and 'base_path: "/models/tiny"' in config
     assert not [e for e in os.listdir(serving / "tiny") if e.startswith(".")]
@@ -328,7 +330,14 @@ def test_onnx_graphs_are_valid_with_dynamic_axes(exported):
             assert all(d.dim_param for d in first_input), stem  # batch and length are dynamic
     assert (onnx_dir / "tokenizer.model").is_file()
     metadata = json.loads((onnx_dir / "export.json").read_text())
-    assert set(metadata["graphs"]) == {"forward", "translate", "encoder", "decoder_step", "translate_text"}
+    assert set(metadata["graphs"]) == {
+        "forward",
+        "translate",
+        "encoder",
+        "decoder_step",
+        "align",
+        "translate_text",
+    }
 
 
 def test_onnx_runtime_matches_keras(exported, trained_run, sentences, cli_translations):

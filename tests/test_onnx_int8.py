@@ -170,9 +170,9 @@ def test_int8_embedding_is_stored_once_with_a_scale_per_row():
 # the graphs that test's float32 export wrote, so that these tests pay for quantization and the gate only.
 CONVERTED = {
     "forward": "forward",
-    "translate_ids": "translate",
     "encode": "encoder",
     "decoder_step": "decoder_step",
+    "align": "align",
 }
 
 
@@ -182,13 +182,17 @@ def converted(exported):
 
     real = keras_transformer_export.onnx.convert
 
-    def convert(graphs, name, extra_opset=None):
+    def convert(graphs, name, extra_opset=None, function=None):
         if name in CONVERTED:
             return onnx.load(str(exported[1] / f"{CONVERTED[name]}.onnx"))
-        return real(graphs, name, extra_opset)  # the text graph's tokenizer part
+        return real(graphs, name, extra_opset, function)  # the text graph's tokenizer part
+
+    def translate_graph(graphs):  # the assembled translate.onnx, as the float32 export wrote it
+        return onnx.load(str(exported[1] / "translate.onnx"))
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(keras_transformer_export.onnx, "convert", convert)
+        patch.setattr(keras_transformer_export.onnx, "translate_graph", translate_graph)
         yield exported[1]
 
 
@@ -420,13 +424,21 @@ def test_a_traced_layer_norm_becomes_one_node_with_the_same_result():
 
 
 def test_exported_graphs_have_every_layer_norm_fused(exported):
-    """The tiny preset (2 + 2 layers): 2 norms per encoder layer, 3 per decoder layer, none left traced."""
-    expected = {"encoder": 4, "decoder_step": 6, "forward": 10, "translate": 10}
+    """The tiny preset (2 + 2 layers): 2 norms per encoder layer, 3 per decoder layer, none left
+    traced; translate.onnx has them in each search's loop (and its encoder) and in the aligner."""
+    expected = {"encoder": 4, "decoder_step": 6, "forward": 10, "align": 10}
     for name, count in expected.items():
         model = onnx.load(str(exported[1] / f"{name}.onnx"))
         ops = [node.op_type for graph in all_graphs(model.graph) for node in graph.node]
         assert ops.count("LayerNormalization") == count, name
         assert "GlobalAveragePool" not in ops, name
+    translate = onnx.load(str(exported[1] / "translate.onnx"))
+    loops = [n for g in all_graphs(translate.graph) for n in g.node if n.op_type == "Loop"]
+    assert len(loops) == 3  # the plain beam search, with controls, sampling
+    for loop in loops:
+        body = next(a.g for a in loop.attribute if a.name == "body")
+        assert [n.op_type for g in all_graphs(body) for n in g.node].count("LayerNormalization") == 6
+    assert "GlobalAveragePool" not in [n.op_type for g in all_graphs(translate.graph) for n in g.node]
 
 
 def _blend_model(swap=False):

@@ -89,3 +89,10 @@ def test_the_length_penalty_is_written_once():
                     else:
                         found += [f"{path}:{line}" for line in lines]
     assert not found, found
+
+
+def test_the_tokenizer_and_the_policy_agree_on_unk():
+    """Two definitions the layering keeps apart (data may not import decoding)."""
+    from keras_transformer.data.tokenizer import UNK_ID
+
+    assert policy.UNK_ID == UNK_ID

@@ -23,11 +23,10 @@ import sentencepiece
 import tensorflow as tf
 import tensorflow_text
 
-from keras_transformer.decoding.policy import UNK_ID
 from keras_transformer.utils.checks import UserError
 from keras_transformer.utils.files import atomic_write
 
-PAD_ID, BOS_ID, EOS_ID = 0, 2, 3
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3  # UNK_ID: also decoding.policy's (a test pins them)
 _SPACES = re.compile(" +")
 
 
@@ -156,17 +155,6 @@ class Tokenizer:
     @property
     def vocab_size(self):
         return self.processor.get_piece_size()
-
-    def blank_ids(self):
-        """bool `(vocab,)`: the ids an empty source consists of (`policy.blank_ids`: padding, BOS,
-        EOS and the pieces of only spaces or control characters). A source of these alone
-        is translated as the empty sentence, without a search, in every runtime."""
-        import numpy as np
-
-        from keras_transformer.decoding.policy import blank_ids
-
-        pieces = [self.processor.id_to_piece(i) for i in range(self.vocab_size)]
-        return np.array(blank_ids(pieces, UNK_ID), bool)
 
     @staticmethod
     def normalize(text):

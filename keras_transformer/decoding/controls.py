@@ -78,11 +78,6 @@ class DecodingOptions:
         """Whether tokens are sampled (`sampling_topk != 1`) rather than searched."""
         return self.sampling_topk != 1
 
-    @property
-    def per_step_controls(self):
-        """Whether a control that acts at every step is on (beyond `policy.constrain`'s rules)."""
-        return self.no_repeat_ngram_size > 0 or self.repetition_penalty != 1.0
-
     def check(self, beam_size=BEAM_SIZE):
         """Raises `ValueError` naming the first bad option (what was wrong, what is allowed)."""
         for name, kind in OPTION_TYPES.items():

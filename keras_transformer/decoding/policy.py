@@ -101,10 +101,12 @@ def blank_piece(piece):
     )
 
 
-def blank_ids(pieces, unk_id):
+def blank_ids(id_to_piece, vocab_size, unk_id=UNK_ID):
     """`(vocab,)` list of bools: the ids an empty source may consist of (`blank_piece`, and
-    every special id but `<unk>`, which stands for a character the vocabulary lacks)."""
+    every special id but `<unk>`, which stands for a character the vocabulary lacks), given a
+    SentencePiece model's `id_to_piece` (any runtime's: tf-text, `sentencepiece`)."""
     specials = ("<pad>", "<s>", "</s>")
+    pieces = [id_to_piece(i) for i in range(vocab_size)]
     return [i != unk_id and (piece in specials or blank_piece(piece)) for i, piece in enumerate(pieces)]
 
 

@@ -25,7 +25,7 @@ from keras import ops
 
 from keras_transformer.decoding import policy
 from keras_transformer.decoding.controls import DecodingOptions, Hypotheses
-from keras_transformer.decoding.search import Controls, _beam, _controls, _inference, _sample
+from keras_transformer.decoding.search import Controls, beam_pools, inference, sample_rows, split_controls
 from keras_transformer.layers.masks import padding_mask
 from keras_transformer.layers.portable_ops import argmax, gather_rows
 from keras_transformer.utils.checks import check_choice
@@ -51,7 +51,7 @@ def _branch(pred, true_fn, false_fn):
     return true_fn() if bool(ops.convert_to_numpy(pred)) else false_fn()
 
 
-@_inference
+@inference
 def decode(
     model,
     source_ids,
@@ -162,7 +162,7 @@ def _decode(
 ):
     """`decode` of sources that all have content."""
     o = options
-    banned, controls = _controls(
+    banned, controls = split_controls(
         model.config,
         disable_unk=o.disable_unk,
         suppress_sequences=suppress_sequences,
@@ -173,7 +173,7 @@ def _decode(
 
     def sampled(controls):
         return Hypotheses(
-            *_sample(
+            *sample_rows(
                 model,
                 source_ids,
                 o.num_return,
@@ -194,7 +194,7 @@ def _decode(
         )
 
     def searched(controls):
-        ids, scores, log_probs = _beam(
+        ids, scores, log_probs = beam_pools(
             model, source_ids, beam_size, o.length_penalty, o.max_extra_length, None, o.min_length, True,
             cache_policy, banned, controls,
         )  # fmt: skip
@@ -238,7 +238,7 @@ def _decode(
 def search_choice(config, options, target_prefix, suppress_sequences):
     """`(sampling, with_controls)`: whether `decode` samples, and whether its beam search has the
     per-step controls, for a request (bools, or bool tensors for tensor options)."""
-    _, controls = _controls(
+    _, controls = split_controls(
         config,
         target_prefix=_padded(target_prefix, config.pad_id),
         suppress_sequences=suppress_sequences,
@@ -264,7 +264,7 @@ def _controls_on(config, controls):
     return on
 
 
-@_inference
+@inference
 def align(model, source_ids, target_ids):
     """For each token of each hypothesis, the source position its decoder attends to most:
     int32 `(batch, n, max_len)` (-1 at EOS and after).

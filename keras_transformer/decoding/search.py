@@ -59,8 +59,9 @@ from keras_transformer.layers.portable_ops import argmax, gather_rows, write_at
 from keras_transformer.utils.checks import check_positive_int
 
 
-def _inference(search):
-    """Runs `search` without recording gradients where the backend records them eagerly (PyTorch)."""
+def inference(search):
+    """`search`, run without recording gradients where the backend records them eagerly (PyTorch):
+    a decorator of every decoding function."""
 
     @functools.wraps(search)
     def run(*args, **kwargs):
@@ -183,7 +184,7 @@ def _on(value, off):
     return not (isinstance(value, (bool, int, float)) and value == off)
 
 
-@_inference
+@inference
 def greedy_search(
     model,
     source_ids,
@@ -257,7 +258,7 @@ def _token_by_token(setup, decoder, choose, controls):
     return tokens, log_probs
 
 
-@_inference
+@inference
 def sample(
     model,
     source_ids,
@@ -292,18 +293,19 @@ def sample(
     """
     if isinstance(num_return, int):
         check_positive_int("num_return", num_return)
-    banned, controls = _controls(model.config, **controls)
-    return _sample(
+    banned, controls = split_controls(model.config, **controls)
+    return sample_rows(
         model, source_ids, num_return, sampling_topk, sampling_topp, sampling_temperature, seed,
         sentence_ids, length_penalty, max_extra_length, min_length, max_length, use_cache, cache_policy,
         banned, controls,
     )  # fmt: skip
 
 
-def _sample(
+def sample_rows(
     model, source_ids, num_return, topk, topp, temperature, seed, sentence_ids, alpha, max_extra_length,
     min_length, max_length, use_cache, cache_policy, banned, controls,
 ):  # fmt: skip
+    """`sample` with its controls split (`split_controls`): `Translations` `(batch, num_return, ...)`."""
     disable_unk, banned = banned
     setup = _Setup(
         model, source_ids, max_length, max_extra_length, min_length, disable_unk, banned, repeat=num_return
@@ -349,7 +351,7 @@ def token_array(lists, pad_id):
     return array
 
 
-def _controls(config, disable_unk=False, suppress_sequences=None, target_prefix=None, **per_step):
+def split_controls(config, disable_unk=False, suppress_sequences=None, target_prefix=None, **per_step):
     """`((disable_unk, banned sequences), Controls)` of `beam_search`'s control arguments: the
     banned sequences (all of them: their one-token ones go into the never mask) and the
     `Controls` acting at every step (the sequences only where some has 2 or more tokens)."""
@@ -364,7 +366,7 @@ def _controls(config, disable_unk=False, suppress_sequences=None, target_prefix=
     return (disable_unk, banned), controls
 
 
-@_inference
+@inference
 def beam_search(
     model,
     source_ids,
@@ -418,8 +420,8 @@ def beam_search(
             raise ValueError(f"num_return={num_return} must be <= beam_size={beam_size}.")
     if isinstance(length_penalty, (int, float)) and not length_penalty >= 0:
         raise ValueError(f"length_penalty must be a number >= 0; got {length_penalty!r}.")
-    banned, controls = _controls(model.config, **controls)
-    ids, scores, log_probs = _beam(
+    banned, controls = split_controls(model.config, **controls)
+    ids, scores, log_probs = beam_pools(
         model, source_ids, beam_size, length_penalty, max_extra_length, max_length, min_length,
         use_cache, cache_policy, banned, controls,
     )  # fmt: skip
@@ -428,12 +430,12 @@ def beam_search(
     return Translations(ids[:, :num_return], scores[:, :num_return], log_probs[:, :num_return])
 
 
-def _beam(
+def beam_pools(
     model, source_ids, beam_size, alpha, max_extra_length, max_length, min_length, use_cache, cache_policy,
     banned, controls,
 ):  # fmt: skip
-    """The beam search's whole pools, `(batch, beam, max_len)` ids and `(batch, beam)` scores
-    and log-probabilities, best first."""
+    """`beam_search` with its controls split (`split_controls`): the whole pools, `(batch, beam,
+    max_len)` ids and `(batch, beam)` scores and log-probabilities, best first."""
     disable_unk, banned = banned
     setup = _Setup(model, source_ids, max_length, max_extra_length, min_length, disable_unk, banned)
     decoder = _make_decoder(model, setup, beam_size, use_cache, cache_policy)

@@ -13,7 +13,6 @@ from typing import NamedTuple
 import numpy as np
 from keras import ops
 
-from keras_transformer.data.tokenizer import PAD_ID
 from keras_transformer.decoding import policy
 from keras_transformer.decoding.alignments import word_alignment
 from keras_transformer.decoding.controls import (
@@ -156,7 +155,7 @@ class Translator:
         self.beam_size = beam_size
         self.options = DecodingOptions().replace(**options).check(beam_size)
         self.max_source_length = model.config.max_length
-        blank = tokenizer.blank_ids()
+        blank = np.array(policy.blank_ids(tokenizer.processor.id_to_piece, tokenizer.vocab_size), bool)
 
         def search(source_ids, target_prefix, suppress_sequences, sentence_ids, options):
             """(batch, len_src) -> Hypotheses (batch, num_return, max_len)."""
@@ -238,7 +237,8 @@ class Translator:
         options = self.options.replace(**options).check(self.beam_size)
         sentences = list(sentences)
         prefixes = self._prefixes(sentences, target_prefix)
-        sequences = token_array(self.token_lists(suppress_sequences or []), PAD_ID)
+        pad = self.model.config.pad_id
+        sequences = token_array(self.token_lists(suppress_sequences or []), pad)
         check_token_lists("suppress_sequences", self.token_lists(suppress_sequences or []), *self._id_range())
         results = [None] * len(sentences)
         if not sentences:
@@ -248,7 +248,7 @@ class Translator:
         for start in range(0, len(order), self.batch_size):
             indices = order[start : start + self.batch_size]
             source_ids = self.encode([sentences[i] for i in indices])
-            prefix = token_array([prefixes[i] for i in indices], PAD_ID)
+            prefix = token_array([prefixes[i] for i in indices], pad)
             self._check_prefix_lengths(source_ids.numpy(), prefix, options, indices)
             found = self._run(source_ids, prefix, sequences, indices.astype(np.int32), options)
             for row, index in enumerate(indices):
@@ -295,8 +295,9 @@ class Translator:
         options = self.options.replace(**options).check(self.beam_size)
         source_ids = np.asarray(source_ids, np.int32)
         batch = len(source_ids)
-        prefix = token_array([[]] * batch if target_prefix is None else target_prefix, PAD_ID)
-        sequences = token_array([] if suppress_sequences is None else suppress_sequences, PAD_ID)
+        pad = self.model.config.pad_id
+        prefix = token_array([[]] * batch if target_prefix is None else target_prefix, pad)
+        sequences = token_array([] if suppress_sequences is None else suppress_sequences, pad)
         sentence_ids = np.arange(batch, dtype=np.int32) if sentence_ids is None else sentence_ids
         return self._run(source_ids, prefix, sequences, np.asarray(sentence_ids, np.int32), options)
 
