@@ -164,36 +164,57 @@ PLANNED = ("source_ids", "target_prefix", "sentence_ids")
 def translate_graph(graphs):
     """`translate.onnx`: the request's checks and preparation (`request_plan`), then
 
-        If(sampling, sample, If(with_controls, beam_with_controls, beam))
+        the plain beam search, in the main graph (its Loop runs 0 steps unless it is chosen)
+        If(plain, the plain search's outputs, If(sampling, sample, beam_with_controls))
         If(return_alignments, align, -1)
 
     each search converted alone (tf2onnx takes ~4x as long for the same searches inside
     `tf.cond`s and stores the weights once per branch) and stored once
-    (`graph_rewrites.store_constants_once`, in `simplify`). The default request runs the plain
-    beam search: the conditionals are decided once per request, not per step."""
+    (`graph_rewrites.store_constants_once`, in `simplify`). The choice is made once per
+    request, not per step. The default request's search is in the main graph, as before
+    the options: a Loop inside an If reads the weights two scopes up, where ONNX Runtime
+    does not pre-pack them (its matrix products were ~10% slower at batch 1, `mini`)."""
     from keras_transformer.decoding.request import SEARCHES
 
     plan = convert(graphs, "request_plan")
     plan.graph.CopyFrom(_prefixed(plan.graph, "plan/", {name: name for name in _input_names(plan)}))
+    planned = {name: f"plan/planned_{name}" if name in PLANNED else name for name in _input_names(plan)}
     searches = {  # each simplified alone, its Loop at the top of its graph (as the rewrites expect)
         search: _branch(
             simplify(convert(graphs, "translate_ids_with_options", function=graphs.search_function(search))),
             f"{search}/",
-            {name: f"plan/planned_{name}" if name in PLANNED else name for name in _input_names(plan)},
+            planned,
             SEARCH_OUTPUTS,
         )
         for search in SEARCHES
     }
-    outputs = [_output_like(searches["beam"], name) for name in SEARCH_OUTPUTS]
-    searched = helper.make_node(
-        "If", ["plan/with_controls"], [f"searched/{n}" for n in SEARCH_OUTPUTS],
-        then_branch=searches["beam_with_controls"], else_branch=searches["beam"], name="search",
-    )  # fmt: skip
+    plain = searches.pop("beam")  # its nodes go into the main graph, its Loop gated by `plain`
+    loops = [node for node in plain.node if node.op_type == "Loop"]
+    if len(loops) != 1:  # pragma: no cover - the beam search is one loop
+        raise ValueError(f"the plain beam search has {len(loops)} top-level Loops, expected 1")
+    gate = [
+        helper.make_node("Or", ["plan/sampling", "plan/with_controls"], ["plan/other_search"]),
+        helper.make_node("Not", ["plan/other_search"], ["plan/plain"]),
+    ]
+    plain_nodes = list(plain.node)
+    plain_nodes.insert(
+        plain_nodes.index(loops[0]),
+        helper.make_node("And", [loops[0].input[1], "plan/plain"], ["beam/gated_condition"]),
+    )
+    loops[0].input[1] = "beam/gated_condition"
+    outputs = [_output_like(plain, name) for name in SEARCH_OUTPUTS]
     found = [f"found/{name}" for name in SEARCH_OUTPUTS]
+    other = helper.make_node(
+        "If", ["plan/sampling"], [f"other/{n}" for n in SEARCH_OUTPUTS], name="sample_or_search",
+        then_branch=searches["sample"], else_branch=searches["beam_with_controls"],
+    )  # fmt: skip
     chosen = helper.make_node(
-        "If", ["plan/sampling"], found, name="sample_or_search",
-        then_branch=searches["sample"],
-        else_branch=helper.make_graph([searched], "beam_searches", [], _renamed(outputs, "searched/")),
+        "If", ["plan/plain"], found, name="plain_or_other",
+        then_branch=helper.make_graph(
+            [helper.make_node("Identity", [v.name], [f"plain/{n}"]) for v, n in zip(plain.output, SEARCH_OUTPUTS)],
+            "plain", [], _renamed(outputs, "plain/"),
+        ),
+        else_branch=helper.make_graph([other], "other_searches", [], _renamed(outputs, "other/")),
     )  # fmt: skip
     aligner = _branch(
         simplify(convert(graphs, "align")),
@@ -219,11 +240,11 @@ def translate_graph(graphs):
     )
     copies = [helper.make_node("Identity", [f], [name]) for f, name in zip(found, SEARCH_OUTPUTS)]
     graph = helper.make_graph(
-        [*plan.graph.node, chosen, aligned, *copies],
+        [*plan.graph.node, *gate, *plain_nodes, chosen, aligned, *copies],
         "translate",
         list(plan.graph.input),
         [*_renamed(outputs, ""), _output_like(aligner, aligner.output[0].name, "alignments")],
-        initializer=list(plan.graph.initializer),
+        initializer=[*plan.graph.initializer, *plain.initializer],
     )
     opsets = {o.domain: o.version for o in plan.opset_import}
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in opsets.items()])

@@ -263,7 +263,7 @@ def forced_prefix(log_probs, raw_log_probs, step, prefix, prefix_lengths, xp):
     (padded; width >= 1); prefix_lengths: int `(sentences,)`.
     """
     column = xp.minimum(step, xp.shape(prefix)[1] - 1)
-    forced = xp.take(prefix, xp.reshape(column, (1,)), axis=1)[:, :, None]  # (sentences, 1, 1)
+    forced = xp.expand_dims(xp.take(prefix, xp.reshape(column, (1,)), axis=1), -1)  # (sentences, 1, 1)
     active = xp.reshape(xp.less(step, prefix_lengths), (-1, 1, 1))
     ids = xp.arange(log_probs.shape[-1])  # vocab: static
     only_forced = xp.where(xp.equal(ids, forced), raw_log_probs, NEG_INF)
@@ -292,7 +292,7 @@ def repeated_ngram_ends(history, step, size, vocab, xp):
     lags = xp.arange(1, length + 1)  # i
     earlier = xp.take(history, xp.clip(positions[:, None] - lags[None, :], 0, length - 1), axis=-1)
     last = xp.take(history, xp.clip(step - lags, 0, length - 1), axis=-1)  # (sentences, beam, length)
-    equal = xp.logical_or(xp.equal(earlier, last[..., None, :]), xp.greater_equal(lags, size))
+    equal = xp.logical_or(xp.equal(earlier, xp.expand_dims(last, -2)), xp.greater_equal(lags, size))
     ends = xp.logical_and(
         xp.all(equal, axis=-1),  # (sentences, beam, length): predecessors match
         xp.logical_and(xp.greater_equal(positions, size - 1), xp.less(positions, step)),

@@ -19,13 +19,19 @@ what XLA and JAX need) or tensors (an exported graph's inputs: each choice is a
 graph conditional, `keras.ops.cond`, made once per request, never per step).
 """
 
-import keras
 import numpy as np
 from keras import ops
 
 from keras_transformer.decoding import policy
 from keras_transformer.decoding.controls import DecodingOptions, Hypotheses
-from keras_transformer.decoding.search import Controls, beam_pools, inference, sample_rows, split_controls
+from keras_transformer.decoding.search import (
+    Controls,
+    beam_pools,
+    inference,
+    sample_rows,
+    split_controls,
+    when,
+)
 from keras_transformer.layers.masks import padding_mask
 from keras_transformer.layers.portable_ops import argmax, gather_rows
 from keras_transformer.utils.checks import check_choice
@@ -36,19 +42,6 @@ SEARCHES = ("beam", "beam_with_controls", "sample")
 
 def _static(value):
     return value is None or isinstance(value, (bool, int, float, np.ndarray, list, tuple))
-
-
-def _branch(pred, true_fn, false_fn):
-    """`true_fn()` or `false_fn()`: in Python for a Python or eager predicate, else a graph
-    conditional."""
-    if isinstance(pred, (bool, np.bool_)):
-        return true_fn() if pred else false_fn()
-    if keras.backend.backend() == "tensorflow":
-        import tensorflow as tf
-
-        if not tf.executing_eagerly():
-            return ops.cond(pred, true_fn, false_fn)
-    return true_fn() if bool(ops.convert_to_numpy(pred)) else false_fn()
 
 
 @inference
@@ -217,10 +210,10 @@ def _decode(
         return sampled(controls if not all(_static(v) for v in controls) or controls.any_on() else Controls())
 
     def searching():
-        return _branch(_controls_on(model.config, controls), controlled, plain)
+        return when(_controls_on(model.config, controls), controlled, plain)
 
     topk = o.sampling_topk
-    result = _branch(topk != 1 if _static(topk) else ops.not_equal(topk, 1), sampling, searching)
+    result = when(topk != 1 if _static(topk) else ops.not_equal(topk, 1), sampling, searching)
     if _static(o.return_alignments):
         if not o.return_alignments:
             return result
@@ -232,7 +225,7 @@ def _decode(
     def unaligned():
         return ops.full(ops.shape(result.ids), -1, "int32")
 
-    return result._replace(alignments=_branch(o.return_alignments, aligned, unaligned))
+    return result._replace(alignments=when(o.return_alignments, aligned, unaligned))
 
 
 def search_choice(config, options, target_prefix, suppress_sequences):

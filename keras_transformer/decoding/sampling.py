@@ -64,17 +64,29 @@ def uniform(keys, vocab, xp):
 
 def allowed(scaled, topk, topp, xp):
     """bool `(rows, vocab)`: the sampling set of `scaled` = log_probs / T `(rows, vocab)` (banned
-    tokens at `NEG_INF / T`): the top-k, then the top-p of those (at least one token)."""
+    tokens at `NEG_INF / T`): the top-k, then the top-p of those (at least one token). Only the
+    top-k are sorted (the whole vocabulary for top-p alone), and nothing without a limit."""
     vocab = scaled.shape[-1]
     k = xp.where(xp.logical_or(xp.less_equal(topk, 0), xp.greater(topk, vocab)), vocab, topk)
-    ordered = _descending(scaled, xp.where(xp.less(topp, 1.0), vocab, k), xp)  # (rows, n)
-    within_k = xp.less(xp.arange(xp.shape(ordered)[-1]), k)
-    weights = xp.where(within_k, xp.exp(ordered - ordered[:, :1]), 0.0)
-    cumulative = xp.cumsum(weights, axis=-1)
-    below = xp.less(cumulative, topp * cumulative[:, -1:])  # mass before reaching p
-    kept = xp.minimum(1 + xp.sum(_as_int32(below, xp), axis=-1), k)  # (rows,) tokens kept
-    threshold = xp.take_along_axis(ordered, xp.reshape(kept - 1, (-1, 1)), axis=-1)  # (rows, 1)
-    return xp.greater_equal(scaled, threshold)
+
+    def restricted():
+        ordered = _descending(scaled, k, xp)  # (rows, k), largest first
+        weights = xp.exp(ordered - ordered[:, :1])
+        cumulative = xp.cumsum(weights, axis=-1)
+        below = xp.less(cumulative, topp * cumulative[:, -1:])  # mass before reaching p
+        kept = 1 + xp.sum(_as_int32(below, xp), axis=-1)  # (rows,) tokens kept, <= k
+        threshold = xp.take_along_axis(ordered, xp.reshape(kept - 1, (-1, 1)), axis=-1)  # (rows, 1)
+        return xp.greater_equal(scaled, threshold)
+
+    def everything():
+        return xp.greater(scaled, 3 * NEG_INF)  # all True: the banned ones are left out by `sample`
+
+    limited = xp.logical_or(xp.less(k, vocab), xp.less(topp, 1.0))
+    if xp.__name__ == "numpy":
+        return restricted() if limited else everything()
+    from keras_transformer.decoding.search import when
+
+    return when(limited if isinstance(limited, bool) else limited, restricted, everything)
 
 
 def sample(log_probs, keys, topk, topp, temperature, xp):

@@ -179,6 +179,29 @@ class Controls(NamedTuple):
         )
 
 
+def when(pred, function, otherwise):
+    """`function()` where `pred` holds, else `otherwise` (a value, or a function of none): decided
+    in Python for a Python or eager predicate, else by a graph conditional (`keras.ops.cond`)."""
+    other = otherwise if callable(otherwise) else (lambda: otherwise)  # noqa: E731
+    if isinstance(pred, (bool, np.bool_)):
+        return function() if pred else other()
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        if not tf.executing_eagerly():
+            return ops.cond(pred, function, other)
+    try:
+        concrete = bool(ops.convert_to_numpy(pred))
+    except Exception:  # a traced value (JAX): the backend's conditional
+        return ops.cond(pred, function, other)
+    return function() if concrete else other()
+
+
+def _static(value):
+    """Whether a control's value is a Python number (then it is on: `_on` said so)."""
+    return isinstance(value, (bool, int, float))
+
+
 def _on(value, off):
     """Whether a control with `value` may act: False only for a Python `off` value."""
     return not (isinstance(value, (bool, int, float)) and value == off)
@@ -519,22 +542,42 @@ class _Setup:
         """
         sentences, beam = ops.shape(limits)[0], ops.shape(history)[1]
         vocab = self.config.target_vocab
-        penalty = controls.repetition_penalty
+        penalty, size = controls.repetition_penalty, controls.no_repeat_ngram_size
+        # Each control is computed only where it acts: a tensor's value is checked once per
+        # step (a graph conditional), so a request pays for the controls it turns on.
         if _on(penalty, 1.0):
             logits = ops.reshape(logits, (sentences, beam, vocab))
-            logits = rules.repetition_penalized(logits, history, step, ops.cast(penalty, logits.dtype), ops)
+            penalty = penalty if _static(penalty) else ops.cast(penalty, logits.dtype)
+
+            def penalized(logits=logits):
+                return rules.repetition_penalized(logits, history, step, penalty, ops)
+
+            logits = when(_static(penalty) or ops.not_equal(penalty, 1.0), penalized, logits)
         raw = ops.reshape(ops.log_softmax(logits, axis=-1), (sentences, beam, vocab))
         log_probs = constrain(raw, step, limits, self.never, self.is_eos, self.min_length, ops)
-        if _on(controls.no_repeat_ngram_size, 0):
-            banned = rules.repeated_ngram_ends(history, step, controls.no_repeat_ngram_size, vocab, ops)
-            log_probs = ops.where(banned, NEG_INF, log_probs)
+        if _on(size, 0):
+
+            def without_repeats(log_probs=log_probs):
+                banned = rules.repeated_ngram_ends(history, step, size, vocab, ops)
+                return ops.where(banned, NEG_INF, log_probs)
+
+            log_probs = when(_static(size) or ops.greater(size, 0), without_repeats, log_probs)
         sequences = controls.suppress_sequences
         if sequences is not None:
             lengths = Controls.lengths(sequences, self.config.pad_id)
-            banned = rules.sequence_ends(history, step, sequences, lengths, vocab, ops)
-            log_probs = ops.where(banned, NEG_INF, log_probs)
+
+            def without_sequences(log_probs=log_probs):
+                banned = rules.sequence_ends(history, step, sequences, lengths, vocab, ops)
+                return ops.where(banned, NEG_INF, log_probs)
+
+            multi = isinstance(sequences, np.ndarray) or ops.any(ops.greater(lengths, 1))
+            log_probs = when(multi, without_sequences, log_probs)
         if prefix is not None:
-            log_probs = rules.forced_prefix(log_probs, raw, step, prefix, prefix_lengths, ops)
+
+            def forced(log_probs=log_probs):
+                return rules.forced_prefix(log_probs, raw, step, prefix, prefix_lengths, ops)
+
+            log_probs = when(ops.any(ops.less(step, prefix_lengths)), forced, log_probs)
         return log_probs
 
 
