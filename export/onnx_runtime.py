@@ -237,20 +237,20 @@ class _Search:
         if options.repetition_penalty != 1.0:
             logits = outputs["logits"].reshape(shape)
             penalty = np.float32(options.repetition_penalty)
-            raw = _log_softmax(rules.repetition_penalized(logits, history, step, penalty, np))
+            raw = _log_softmax(
+                rules.repetition_penalized(logits, history, step, penalty, self.config["pad_id"], np)
+            )
         else:
             raw = outputs["log_probs"].reshape(shape)
         log_probs = policy.constrain(raw, step, limits, self.never, self.is_eos, options.min_length, np)
+        pad = self.config["pad_id"]
         if options.no_repeat_ngram_size:
-            banned = rules.repeated_ngram_ends(history, step, options.no_repeat_ngram_size, self.vocab, np)
-            log_probs = np.where(banned, NEG_INF, log_probs)
+            tokens, banned = rules.repeated_ngram_ends(history, step, options.no_repeat_ngram_size, np)
+            log_probs = rules.ban(log_probs, tokens, banned, pad, np)
         if self.sequences is not None:
-            lengths = np.sum(self.sequences != self.config["pad_id"], axis=1)
-            log_probs = np.where(
-                rules.sequence_ends(history, step, self.sequences, lengths, self.vocab, np),
-                NEG_INF,
-                log_probs,
-            )
+            lengths = np.sum(self.sequences != pad, axis=1)
+            tokens, banned = rules.sequence_ends(history, step, self.sequences, lengths, np)
+            log_probs = rules.ban(log_probs, tokens, banned, pad, np)
         if prefix is not None:
             lengths = np.sum(prefix != self.config["pad_id"], axis=1)
             log_probs = rules.forced_prefix(log_probs, raw, step, prefix, lengths, np)

@@ -34,7 +34,7 @@ def _history(seed=0, sentences=3, beam=2, length=9):
 def test_no_repeat_ngram_bans_exactly_the_tokens_that_would_repeat_an_ngram(size, step):
     history = _history()
     banned_numpy, banned_keras = _both(
-        lambda h, xp: rules.repeated_ngram_ends(h, step, size, VOCAB, xp), history
+        lambda h, xp: rules.banned_tokens(*rules.repeated_ngram_ends(h, step, size, xp), VOCAB, xp), history
     )
     np.testing.assert_array_equal(banned_numpy, banned_keras)
     for s, b in itertools.product(range(3), range(2)):
@@ -54,7 +54,10 @@ def test_suppressed_sequences_ban_the_last_token_after_the_others():
     lengths = np.sum(sequences != 0, axis=1)
     for step in range(10):
         banned_numpy, banned_keras = _both(
-            lambda h, xp, step=step: rules.sequence_ends(h, step, sequences, lengths, VOCAB, xp), history
+            lambda h, xp, step=step: rules.banned_tokens(
+                *rules.sequence_ends(h, step, sequences, lengths, xp), VOCAB, xp
+            ),
+            history,
         )
         np.testing.assert_array_equal(banned_numpy, banned_keras)
         for s, b in itertools.product(range(3), range(2)):
@@ -74,7 +77,7 @@ def test_repetition_penalty_is_ctranslate2s_on_the_logits():
     logits = np.random.default_rng(3).normal(size=(3, 2, VOCAB)).astype(np.float32)
     step = 5
     numpy_result, keras_result = _both(
-        lambda lg, h, xp: rules.repetition_penalized(lg, h, step, np.float32(1.5), xp), logits, history
+        lambda lg, h, xp: rules.repetition_penalized(lg, h, step, np.float32(1.5), 0, xp), logits, history
     )
     np.testing.assert_array_equal(numpy_result, keras_result)
     for s, b in itertools.product(range(3), range(2)):

@@ -270,19 +270,25 @@ def forced_prefix(log_probs, raw_log_probs, step, prefix, prefix_lengths, xp):
     return xp.where(active, only_forced, log_probs)
 
 
-def repetition_penalized(logits, history, step, penalty, xp):
+def repetition_penalized(logits, history, step, penalty, pad_id, xp):
     """CTranslate2's repetition penalty on `logits` `(sentences, beam, vocab)`: each token of
     `history[..., :step]` has its logit `s` made `s * penalty` if `s < 0`, else `s / penalty`
-    (once, however often it occurs)."""
-    seen = _hit_columns(history, xp.less(xp.arange(xp.shape(history)[-1]), step), logits.shape[-1], xp)
-    penalized = xp.where(xp.less(logits, 0.0), logits * penalty, logits / penalty)
-    return xp.where(seen, penalized, logits)
+    (once, however often it occurs).
+
+    Only the history's entries are touched: their logits gathered, penalized and written back
+    (a token written twice gets the same value twice); the positions from `step` on write
+    padding's logit back unchanged (padding is never output)."""
+    valid = xp.less(xp.arange(xp.shape(history)[-1]), step)
+    columns = xp.where(valid, history, pad_id)  # (sentences, beam, length)
+    seen = xp.take_along_axis(logits, columns, axis=-1)
+    penalized = xp.where(xp.less(seen, 0.0), seen * penalty, seen / penalty)
+    return set_columns(logits, columns, xp.where(valid, penalized, seen), xp)
 
 
-def repeated_ngram_ends(history, step, size, vocab, xp):
-    """bool `(sentences, beam, vocab)`: the tokens that would end an n-gram (n = `size`) already
-    in `history[..., :step]` (CTranslate2's `NoRepeatNgram`; n = 1 bans every token output so
-    far; 0 bans nothing).
+def repeated_ngram_ends(history, step, size, xp):
+    """`(tokens, banned)` `(sentences, beam, length)`: the tokens that would end an n-gram (n =
+    `size`) already in `history[..., :step]` are those where `banned` (CTranslate2's
+    `NoRepeatNgram`; n = 1 bans every token output so far; 0 bans nothing). `ban` applies them.
 
     Position p of the output ends a repeat when its `size - 1` predecessors equal the output's
     last `size - 1` tokens: `history[p - i] == history[step - i]` for i = 1 .. size - 1.
@@ -298,13 +304,14 @@ def repeated_ngram_ends(history, step, size, vocab, xp):
         xp.logical_and(xp.greater_equal(positions, size - 1), xp.less(positions, step)),
     )
     ends = xp.logical_and(ends, xp.logical_and(xp.greater(size, 0), xp.greater_equal(step, size - 1)))
-    return _hit_columns(history, ends, vocab, xp)
+    return history, ends
 
 
-def sequence_ends(history, step, sequences, sequence_lengths, vocab, xp):
-    """bool `(sentences, beam, vocab)`: the last tokens of the banned `sequences` `(count,
-    width)` of 2 or more tokens (`sequence_lengths` `(count,)`; one-token sequences are in the
-    `never` mask of `policy.constrain`) whose other tokens end `history[..., :step]`."""
+def sequence_ends(history, step, sequences, sequence_lengths, xp):
+    """`(tokens, banned)` `(sentences, beam, count)`: the last tokens of the banned `sequences`
+    `(count, width)` of 2 or more tokens (`sequence_lengths` `(count,)`; one-token sequences
+    are in the `never` mask of `policy.constrain`), banned where their other tokens end
+    `history[..., :step]`. `ban` applies them."""
     width = xp.shape(sequences)[-1]
     heads = sequence_lengths - 1  # tokens before the banned one
     offsets = xp.arange(width)
@@ -317,8 +324,39 @@ def sequence_ends(history, step, sequences, sequence_lengths, vocab, xp):
         xp.all(equal, axis=-1), xp.logical_and(xp.greater_equal(heads, 1), xp.greater_equal(step, heads))
     )  # (sentences, beam, count)
     last = xp.take_along_axis(sequences, xp.reshape(xp.maximum(heads, 0), (-1, 1)), axis=1)[:, 0]
-    last = xp.broadcast_to(last, xp.shape(matched))
-    return _hit_columns(last, matched, vocab, xp)
+    return xp.broadcast_to(last, xp.shape(matched)), matched
+
+
+def ban(log_probs, tokens, banned, pad_id, xp):
+    """`log_probs` `(sentences, beam, vocab)` with `NEG_INF` at the `tokens` `(sentences, beam, k)`
+    where `banned`: one scatter of `NEG_INF` (the others go to padding's entry, which
+    `policy.constrain` already made `NEG_INF`), not a vocabulary-wide mask."""
+    columns = xp.where(banned, tokens, pad_id)
+    return set_columns(log_probs, columns, xp.full(xp.shape(columns), NEG_INF, log_probs.dtype), xp)
+
+
+def banned_tokens(tokens, banned, vocab, xp):
+    """bool `(sentences, beam, vocab)`: the mask of `ban` (for inspection and tests)."""
+    return _hit_columns(tokens, banned, vocab, xp)
+
+
+def set_columns(tensor, columns, updates, xp):
+    """`tensor` `(..., vocab)` with `tensor[..., columns[..., k]] = updates[..., k]`: one scatter
+    (`numpy.put_along_axis`, ONNX `ScatterND`); entries that write the same column twice
+    must carry the same value (every runtime then agrees)."""
+    if xp.__name__ == "numpy":
+        result = tensor.copy()
+        xp.put_along_axis(result, columns.astype("int64"), updates, axis=-1)
+        return result
+    shape = xp.shape(tensor)
+    rows = 1
+    for size in shape[:-1]:  # not -1: a reshape cannot infer it when the other size is 0
+        rows = rows * size
+    flat_columns = xp.reshape(columns, (rows, xp.shape(columns)[-1]))
+    row_ids = xp.broadcast_to(xp.arange(rows)[:, None], xp.shape(flat_columns))
+    indices = xp.reshape(xp.stack([row_ids, xp.cast(flat_columns, row_ids.dtype)], axis=-1), (-1, 2))
+    flat = xp.scatter_update(xp.reshape(tensor, (rows, shape[-1])), indices, xp.reshape(updates, (-1,)))
+    return xp.reshape(flat, shape)
 
 
 def single_token_bans(sequences, sequence_lengths, vocab, xp):

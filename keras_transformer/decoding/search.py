@@ -550,7 +550,7 @@ class _Setup:
             penalty = penalty if _static(penalty) else ops.cast(penalty, logits.dtype)
 
             def penalized(logits=logits):
-                return rules.repetition_penalized(logits, history, step, penalty, ops)
+                return rules.repetition_penalized(logits, history, step, penalty, self.config.pad_id, ops)
 
             logits = when(_static(penalty) or ops.not_equal(penalty, 1.0), penalized, logits)
         raw = ops.reshape(ops.log_softmax(logits, axis=-1), (sentences, beam, vocab))
@@ -558,8 +558,8 @@ class _Setup:
         if _on(size, 0):
 
             def without_repeats(log_probs=log_probs):
-                banned = rules.repeated_ngram_ends(history, step, size, vocab, ops)
-                return ops.where(banned, NEG_INF, log_probs)
+                tokens, banned = rules.repeated_ngram_ends(history, step, size, ops)
+                return rules.ban(log_probs, tokens, banned, self.config.pad_id, ops)
 
             log_probs = when(_static(size) or ops.greater(size, 0), without_repeats, log_probs)
         sequences = controls.suppress_sequences
@@ -567,8 +567,8 @@ class _Setup:
             lengths = Controls.lengths(sequences, self.config.pad_id)
 
             def without_sequences(log_probs=log_probs):
-                banned = rules.sequence_ends(history, step, sequences, lengths, vocab, ops)
-                return ops.where(banned, NEG_INF, log_probs)
+                tokens, banned = rules.sequence_ends(history, step, sequences, lengths, ops)
+                return rules.ban(log_probs, tokens, banned, self.config.pad_id, ops)
 
             multi = isinstance(sequences, np.ndarray) or ops.any(ops.greater(lengths, 1))
             log_probs = when(multi, without_sequences, log_probs)
