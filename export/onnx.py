@@ -142,12 +142,24 @@ def convert(graphs, name, extra_opset=None, function=None):
     import tf2onnx
 
     keras_compat.patch_tf2onnx_for_numpy2()
-    model, _ = tf2onnx.convert.from_function(
-        function or tf.function(getattr(graphs, name), autograph=False),
-        input_signature=graphs.specs(name),
-        opset=OPSET,
-        extra_opset=extra_opset,
-    )
+    # tf2onnx deep-copies the whole graph before each of its optimizers, to roll one back that
+    # fails ("catch errors"); none fails on these graphs, and without the copies the three
+    # searches convert in ~45 s instead of ~60 s. (tf2onnx reads any value of this variable
+    # as "false".)
+    previous = os.environ.get("TF2ONNX_CATCH_ERRORS")
+    os.environ["TF2ONNX_CATCH_ERRORS"] = "false"
+    try:
+        model, _ = tf2onnx.convert.from_function(
+            function or tf.function(getattr(graphs, name), autograph=False),
+            input_signature=graphs.specs(name),
+            opset=OPSET,
+            extra_opset=extra_opset,
+        )
+    finally:
+        if previous is None:
+            del os.environ["TF2ONNX_CATCH_ERRORS"]
+        else:
+            os.environ["TF2ONNX_CATCH_ERRORS"] = previous
     _name_dynamic_axes(model)
     _scalar_loop_counters(model)
     reshape_zeros_as_tensorflow(model)
