@@ -46,6 +46,15 @@ def pytest_collection_modifyitems(items):
         names = getattr(item, "fixturenames", ())
         for fixture in _EXPENSIVE_FIXTURES:
             if fixture in names:
-                item.add_marker(pytest.mark.xdist_group(fixture))
+                group = fixture
+                if fixture == "trained_run" and item.nodeid.endswith(_OWN_TRAINED_RUN):
+                    group = "trained_run_docs"
+                item.add_marker(pytest.mark.xdist_group(group))
                 break
     return (yield)
+
+
+# The two longest document tests (3 minutes each: they run the commands of the document) go to a
+# group of their own, which trains a second tiny run on the other worker (about a minute): the
+# `trained_run` group alone would otherwise take most of the suite's time on one worker.
+_OWN_TRAINED_RUN = ("test_document_code_runs[README.md]", "test_document_code_runs[docs/deployment.md]")

@@ -28,8 +28,10 @@ kernel launch per node, and at batch 1 that, not the arithmetic, is the cost):
    GlobalAveragePool → Sub → Mul → GlobalAveragePool → Add(ε) → Sqrt →
    Reciprocal → Mul(γ) → Mul(x, ·) + (Neg(mean) · · + β): 13 kernels that ONNX
    Runtime's own LayerNorm fusion does not recognise (it looks for
-   `ReduceMean`). Each becomes one opset-17 `LayerNormalization(x, γ, β,
-   axis=-1, epsilon=ε)`, ONNX Runtime's fused kernel. Matched only when γ and β
+   `ReduceMean`; inside a `Loop` nested in an `If` tf2onnx leaves
+   `ReduceMean(axes=[-1])` itself, matched the same way). Each becomes one
+   opset-17 `LayerNormalization(x, γ, β, axis=-1, epsilon=ε)`, ONNX Runtime's
+   fused kernel. Matched only when γ and β
    are constants of shape `(1, 1, width)`: the input then has rank 3, where
    GlobalAveragePool averages over the last axis alone.
 
@@ -480,7 +482,7 @@ def fuse_layer_norms(model):
 
 def _layer_norm_at(mean, consumers, constants, uses):
     """`(x, gamma, beta, epsilon, last node, first node)` if `mean` starts the traced LayerNorm, else None."""
-    if mean.op_type != "GlobalAveragePool":
+    if not _mean_over_last_axis(mean):
         return None
 
     def only(name, op_type):  # the single reader of `name` (in one or more inputs), if an `op_type` node
@@ -507,7 +509,8 @@ def _layer_norm_at(mean, consumers, constants, uses):
     square = only(subs[0].output[0], "Mul")
     if square is None or list(square.input) != [subs[0].output[0]] * 2:
         return None
-    variance = only(square.output[0], "GlobalAveragePool")
+    variance = only(square.output[0], mean.op_type)
+    variance = variance if variance is not None and _mean_over_last_axis(variance) else None
     add_epsilon = variance and only(variance.output[0], "Add")
     epsilon = add_epsilon and other(add_epsilon, variance.output[0])
     root = epsilon in constants and only(add_epsilon.output[0], "Sqrt")
@@ -537,6 +540,17 @@ def _layer_norm_at(mean, consumers, constants, uses):
         return None
     value = float(numpy_helper.to_array(constants[epsilon]))
     return x, gamma, beta, value, final, mean
+
+
+def _mean_over_last_axis(node):
+    """Whether `node` is a LayerNorm's mean as tf2onnx converts it: `GlobalAveragePool` where it
+    knows the rank, else `ReduceMean(axes=[-1], keepdims=1)` (inside a `Loop` nested in an `If`)."""
+    if node.op_type == "GlobalAveragePool":
+        return True
+    if node.op_type != "ReduceMean" or len(node.input) != 1:
+        return False
+    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    return list(attributes.get("axes", [])) == [-1] and attributes.get("keepdims", 1) == 1
 
 
 def _flat_initializer(main, constants, name):

@@ -204,11 +204,12 @@ class _Search:
         vocab = config["target_vocab_size"] or config["vocab_size"]
         ids = np.arange(vocab)
         self.is_eos = ids == config["eos_id"]
-        never = np.isin(ids, [config[name] for name in policy.NEVER_OUTPUT])
-        if options.disable_unk:
-            never |= ids == UNK_ID
+        self.never = np.isin(ids, [config[name] for name in policy.NEVER_OUTPUT])
         sequence_lengths = np.sum(sequences != config["pad_id"], axis=1)
-        self.never = never | rules.single_token_bans(sequences, sequence_lengths, vocab, np)
+        suppressed = rules.single_token_bans(sequences, sequence_lengths, vocab, np)
+        if options.disable_unk:
+            suppressed |= ids == UNK_ID
+        self.suppressed = suppressed if np.any(suppressed) else None
         self.sequences = sequences if np.any(sequence_lengths > 1) else None
         self.prefix = prefix if np.any(prefix != config["pad_id"]) else None
         self.vocab = vocab
@@ -234,26 +235,36 @@ class _Search:
     def log_probs(self, outputs, history, step, limits, prefix):
         """`search._Setup.step_log_probs` in NumPy: `(sentences, beam, vocab)`."""
         options, shape = self.options, history.shape[:2] + (self.vocab,)
-        if options.repetition_penalty != 1.0:
-            logits = outputs["logits"].reshape(shape)
-            penalty = np.float32(options.repetition_penalty)
-            raw = _log_softmax(
-                rules.repetition_penalized(logits, history, step, penalty, self.config["pad_id"], np)
-            )
-        else:
-            raw = outputs["log_probs"].reshape(shape)
-        log_probs = policy.constrain(raw, step, limits, self.never, self.is_eos, options.min_length, np)
         pad = self.config["pad_id"]
-        if options.no_repeat_ngram_size:
-            tokens, banned = rules.repeated_ngram_ends(history, step, options.no_repeat_ngram_size, np)
-            log_probs = rules.ban(log_probs, tokens, banned, pad, np)
-        if self.sequences is not None:
-            lengths = np.sum(self.sequences != pad, axis=1)
-            tokens, banned = rules.sequence_ends(history, step, self.sequences, lengths, np)
-            log_probs = rules.ban(log_probs, tokens, banned, pad, np)
+        size = options.no_repeat_ngram_size
+        if (
+            options.repetition_penalty == 1.0
+            and self.suppressed is None
+            and not size
+            and self.sequences is None
+        ):
+            raw = outputs["log_probs"].reshape(shape)
+            free = raw
+        else:  # CTranslate2's order: the penalty, then the controls' bans, on the logits
+            logits = outputs["logits"].reshape(shape)
+            if options.repetition_penalty != 1.0:
+                penalty = np.float32(options.repetition_penalty)
+                logits = rules.repetition_penalized(logits, history, step, penalty, pad, np)
+            free = _log_softmax(logits)
+            if self.suppressed is not None:
+                logits = np.where(self.suppressed, np.float32(policy.NEG_INF), logits)
+            if size:
+                tokens, banned = rules.repeated_ngram_ends(history, step, size, np)
+                logits = rules.ban(logits, tokens, banned, pad, np)
+            if self.sequences is not None:
+                lengths = np.sum(self.sequences != pad, axis=1)
+                tokens, banned = rules.sequence_ends(history, step, self.sequences, lengths, np)
+                logits = rules.ban(logits, tokens, banned, pad, np)
+            raw = _log_softmax(logits)
+        log_probs = policy.constrain(raw, step, limits, self.never, self.is_eos, options.min_length, np)
         if prefix is not None:
-            lengths = np.sum(prefix != self.config["pad_id"], axis=1)
-            log_probs = rules.forced_prefix(log_probs, raw, step, prefix, lengths, np)
+            lengths = np.sum(prefix != pad, axis=1)
+            log_probs = rules.forced_prefix(log_probs, free, step, prefix, lengths, np)
         return log_probs.astype(np.float32)
 
     def penalty(self, length):

@@ -281,7 +281,10 @@ def test_controls_map_to_ctranslate2s(control, exports, keras_translator, senten
         (a[0].text, b[0].text) for a, b in zip(ours, theirs) if a[0].text != b[0].text
     ][:3]
     scores = np.array([[a[0].score, b[0].score] for a, b in zip(ours, theirs)])
-    np.testing.assert_allclose(scores[same, 1], scores[same, 0], atol=1e-3)
+    # CTranslate2 removes pad and BOS (banned tokens of its export) before its softmax, we
+    # after (docs/decoding.md): a control that takes probability from the likely tokens (a
+    # penalty, a ban) leaves pad and BOS a share that the tiny model's scores show.
+    np.testing.assert_allclose(scores[same, 1], scores[same, 0], atol=1e-3, rtol=1e-3)
     if control == "alignments":
         agree = [a[0].alignment == b[0].alignment for a, b, s in zip(ours, theirs, same) if s]
         assert np.mean(agree) >= 0.9

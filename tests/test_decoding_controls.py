@@ -219,6 +219,44 @@ def test_forcing_the_best_output_returns_it(reverse_model, reverse_sources):
     np.testing.assert_array_equal(np.asarray(forced.ids)[:, 0], best)
 
 
+def test_a_controls_ban_comes_before_the_softmax_as_in_ctranslate2(reverse_model, reverse_sources):
+    """A banned token's probability goes to the others (CTranslate2's `DisableTokens` on the
+    logits): greedy search's log-probability is the teacher-forced one of the logits without
+    the banned token, and differs from the unrenormalized one."""
+    model = reverse_model.model
+    config = model.config
+    banned = int(np.asarray(kt.greedy_search(model, reverse_sources).ids)[0, 0])  # a likely token
+    found = decode(
+        model,
+        reverse_sources,
+        DecodingOptions(length_penalty=0.0),
+        beam_size=1,
+        suppress_sequences=[[banned]],
+    )
+    labels = np.asarray(found.ids)[:, 0]  # (batch, len): EOS-terminated, padded
+    assert not np.any(labels == banned)
+    inputs = np.concatenate([np.full((len(labels), 1), config.bos_id), labels[:, :-1]], axis=1)
+    logits = np.asarray(
+        model({"source_ids": reverse_sources, "target_ids": inputs}, training=False), np.float64
+    )
+    real = labels != config.pad_id
+
+    def teacher_forced(log_probs):
+        picked = np.take_along_axis(log_probs, labels[..., None], axis=-1)[..., 0]
+        return np.sum(np.where(real, picked, 0.0), axis=1)
+
+    def log_softmax(values):
+        shifted = values - values.max(axis=-1, keepdims=True)
+        return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+    without = logits.copy()
+    without[..., banned] = -np.inf
+    np.testing.assert_allclose(
+        np.asarray(found.log_probs)[:, 0], teacher_forced(log_softmax(without)), atol=1e-4
+    )
+    assert np.all(teacher_forced(log_softmax(logits)) < teacher_forced(log_softmax(without)) - 1e-3)
+
+
 def test_alignments_of_the_reverse_task_run_backwards(reverse_model, reverse_sources):
     """Target token j of a reversed sequence of n symbols is source symbol n - 1 - j: the
     alignment has the shape of the output, -1 from EOS on, and is decreasing."""

@@ -222,10 +222,25 @@ def int8_export(trained_run, converted, tmp_path_factory):
 def test_int8_export_quantizes_the_loop_and_records_the_bleu_check(int8_export, converted):
     translate = onnx.load(str(int8_export / "translate.onnx"))
     integer, floating = count_quantized(translate)
-    # tiny: 2+2 layers -> encoder 2x(fused Q/K/V + output + 2 feed-forward) + fused cross K/V 2x1,
-    # and in the Loop 2x(fused Q/K/V + output + cross Q + cross output + 2 feed-forward) + the
-    # output projection; the float MatMuls are the attention products.
-    assert integer == 8 + 2 + 13 and floating == 2 * 2 + 2 * 4, (integer, floating)
+    # tiny: 2+2 layers -> in each search's Loop 2x(fused Q/K/V + output + cross Q + cross output
+    # + 2 feed-forward) + the output projection in int8; the float MatMuls are the attention
+    # products (2 per attention, 2 attentions per layer).
+    loops = [n for g in all_graphs(translate.graph) for n in g.node if n.op_type == "Loop"]
+    assert len(loops) == 3  # the plain beam search, with controls, sampling
+    for loop in loops:
+        body = [
+            n.op_type
+            for g in all_graphs(next(a.g for a in loop.attribute if a.name == "body"))
+            for n in g.node
+        ]
+        assert (body.count("MatMulInteger"), body.count("MatMul")) == (2 * 6 + 1, 2 * 2 * 2), loop.name
+    # No weight is left in float32 anywhere (the encoders, the aligner): every product with a
+    # stored matrix is a MatMulInteger.
+    weights = {i.name for g in all_graphs(translate.graph) for i in g.initializer if len(i.dims) == 2}
+    float_products = [
+        n for g in all_graphs(translate.graph) for n in g.node if n.op_type in ("MatMul", "Gemm")
+    ]
+    assert floating == len(float_products) and not [n.name for n in float_products if set(n.input) & weights]
     metadata = json.loads((int8_export / "export.json").read_text())
     entry = metadata["quantization"]
     assert entry["type"] == "int8" and entry["translate_matmuls"] == {"int8": integer, "float32": floating}
@@ -238,12 +253,13 @@ def test_int8_export_quantizes_the_loop_and_records_the_bleu_check(int8_export, 
 
 
 def _vocabulary_matrices(model, vocab):
-    """`(shape, dtype)` of each stored matrix of `model` with a vocabulary-sized axis."""
+    """`(shape, dtype)` of each stored matrix of `model` with a vocabulary-sized axis (not the
+    int64 index rows of the sampler)."""
     return sorted(
         (tuple(init.dims), numpy_helper.to_array(init).dtype.name)
         for graph in all_graphs(model.graph)
         for init in graph.initializer
-        if len(init.dims) == 2 and vocab in init.dims
+        if len(init.dims) == 2 and vocab in init.dims and init.data_type != TensorProto.INT64
     )
 
 
@@ -263,10 +279,15 @@ def test_tied_embedding_is_stored_once_in_float32_and_in_int8(int8_export, conve
 
 def test_int8_graphs_translate_in_every_mode(int8_export, synthetic_files):
     sentences = synthetic_files[0].read_text(encoding="utf-8").splitlines()[-20:]
-    full = OnnxTranslator(str(int8_export), "full").translate(sentences)
-    split = OnnxTranslator(str(int8_export), "split").translate(sentences)
-    assert all(full[0]) and full[0] == split[0]
-    np.testing.assert_allclose(full[1], split[1], atol=1e-4)
+    translators = {mode: OnnxTranslator(str(int8_export), mode) for mode in ("full", "split")}
+    # Sentence by sentence: int8 activations are quantized per tensor, so a sentence's output
+    # depends on the other rows of its batch. translate.onnx and the split driver's graphs
+    # are quantized apart: the same tokens, scores within 2e-4 (the closing note of issue 40).
+    full, split = ([translator.translate([s]) for s in sentences] for translator in translators.values())
+    assert all(f[0][0] for f in full) and [f[0] for f in full] == [s[0] for s in split]
+    np.testing.assert_allclose([f[1][0] for f in full], [s[1][0] for s in split], rtol=2e-4)
+    batch = translators["full"].translate(sentences)
+    assert all(batch[0]) and len(batch[0]) == len(sentences)
 
 
 def _break_projection(directory):
@@ -426,7 +447,8 @@ def test_a_traced_layer_norm_becomes_one_node_with_the_same_result():
 def test_exported_graphs_have_every_layer_norm_fused(exported):
     """The tiny preset (2 + 2 layers): 2 norms per encoder layer, 3 per decoder layer, none left
     traced; translate.onnx has them in each search's loop (and its encoder) and in the aligner."""
-    expected = {"encoder": 4, "decoder_step": 6, "forward": 10, "align": 10}
+    # align.onnx: the last decoder layer's cross-attention weights need only its first norm.
+    expected = {"encoder": 4, "decoder_step": 6, "forward": 10, "align": 8}
     for name, count in expected.items():
         model = onnx.load(str(exported[1] / f"{name}.onnx"))
         ops = [node.op_type for graph in all_graphs(model.graph) for node in graph.node]

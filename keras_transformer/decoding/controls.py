@@ -14,9 +14,12 @@ Each control is defined as CTranslate2 defines it (`src/decoding_utils.cc`,
 - `repetition_penalty` p: before the softmax, the logit `s` of every token
   already in the output becomes `s * p` if `s < 0`, else `s / p`.
 
-A banned token gets `policy.NEG_INF` after the softmax (the others are not
-renormalized, as for the rules of `policy.constrain`; CTranslate2 bans before
-its softmax). Like `policy`, this module imports nothing: its functions take
+As in CTranslate2 (`DisableTokens`), a control's banned token gets
+`policy.NEG_INF` on the logits, before the softmax: the tokens left share the
+whole probability, and a search's choices and scores are CTranslate2's. The
+rules of `policy.constrain` (padding and BOS never, EOS before `min_length`,
+EOS at the length limit) apply after it, as without controls, so a request
+without controls gets the scores it always got. Like `policy`, this module imports nothing: its functions take
 the array namespace `xp` (`numpy` or `keras.ops`), and `DecodingOptions` is
 plain Python, so the Keras search, the exported graphs and the NumPy driver of
 the ONNX step graphs (`keras_transformer_export.onnx_runtime`) share it.
@@ -327,12 +330,13 @@ def sequence_ends(history, step, sequences, sequence_lengths, xp):
     return xp.broadcast_to(last, xp.shape(matched)), matched
 
 
-def ban(log_probs, tokens, banned, pad_id, xp):
-    """`log_probs` `(sentences, beam, vocab)` with `NEG_INF` at the `tokens` `(sentences, beam, k)`
-    where `banned`: one scatter of `NEG_INF` (the others go to padding's entry, which
-    `policy.constrain` already made `NEG_INF`), not a vocabulary-wide mask."""
+def ban(logits, tokens, banned, pad_id, xp):
+    """`logits` `(sentences, beam, vocab)` with `NEG_INF` at the `tokens` `(sentences, beam, k)`
+    where `banned`: one scatter, not a vocabulary-wide mask (the entries not banned write
+    padding's own logit back to it: padding is never a banned token)."""
     columns = xp.where(banned, tokens, pad_id)
-    return set_columns(log_probs, columns, xp.full(xp.shape(columns), NEG_INF, log_probs.dtype), xp)
+    kept = xp.take_along_axis(logits, columns, axis=-1)
+    return set_columns(logits, columns, xp.where(banned, NEG_INF, kept), xp)
 
 
 def banned_tokens(tokens, banned, vocab, xp):

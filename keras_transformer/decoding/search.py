@@ -513,12 +513,16 @@ class _Setup:
         ids = ops.arange(config.target_vocab)
         self.is_eos = ops.equal(ids, config.eos_id)  # (vocab,)
         never = [ops.equal(ids, getattr(config, name)) for name in NEVER_OUTPUT]  # policy.NEVER_OUTPUT
-        if _on(disable_unk, False):
-            never.append(ops.logical_and(disable_unk, ops.equal(ids, UNK_ID)))
-        if banned_sequences is not None:  # their one-token sequences: banned at every step
-            lengths = Controls.lengths(banned_sequences, config.pad_id)
-            never.append(rules.single_token_bans(banned_sequences, lengths, config.target_vocab, ops))
         self.never = functools.reduce(ops.logical_or, never)
+        # The controls' bans at every step (CTranslate2's: before the softmax): <unk> and the
+        # one-token banned sequences; None when the request has neither.
+        suppressed = []
+        if _on(disable_unk, False):
+            suppressed.append(ops.logical_and(disable_unk, ops.equal(ids, UNK_ID)))
+        if banned_sequences is not None:
+            lengths = Controls.lengths(banned_sequences, config.pad_id)
+            suppressed.append(rules.single_token_bans(banned_sequences, lengths, config.target_vocab, ops))
+        self.suppressed = functools.reduce(ops.logical_or, suppressed) if suppressed else None
         self.repeat = repeat
 
     def prefix_state(self, controls):
@@ -535,47 +539,59 @@ class _Setup:
         """One step's log-probabilities `(sentences, beam, vocab)` from the decoder's logits
         `(sentences * beam, vocab)` or `(sentences, beam, vocab)`, with every rule applied.
 
-        Without controls, exactly the rules of `policy.constrain`; with them, the
-        repetition penalty on the logits, then the rules, the n-gram and sequence bans
-        and the prefix (`keras_transformer.decoding.controls`). `history` `(sentences,
-        beam, max_len)`: the tokens so far.
+        Without controls, exactly the rules of `policy.constrain`. With them, as
+        CTranslate2 orders them: the repetition penalty on the logits, then the
+        controls' bans (`<unk>`, banned sequences, repeated n-grams) on the logits, the
+        softmax over what is left, then the rules and the prefix
+        (`keras_transformer.decoding.controls`). `history` `(sentences, beam,
+        max_len)`: the tokens so far.
         """
         sentences, beam = ops.shape(limits)[0], ops.shape(history)[1]
-        vocab = self.config.target_vocab
+        vocab, pad = self.config.target_vocab, self.config.pad_id
         penalty, size = controls.repetition_penalty, controls.no_repeat_ngram_size
+        controlled = (
+            _on(penalty, 1.0) or self.suppressed is not None or _on(size, 0)
+            or controls.suppress_sequences is not None
+        )  # fmt: skip
+        if controlled:
+            logits = ops.reshape(logits, (sentences, beam, vocab))
         # Each control is computed only where it acts: a tensor's value is checked once per
         # step (a graph conditional), so a request pays for the controls it turns on.
         if _on(penalty, 1.0):
-            logits = ops.reshape(logits, (sentences, beam, vocab))
             penalty = penalty if _static(penalty) else ops.cast(penalty, logits.dtype)
 
             def penalized(logits=logits):
-                return rules.repetition_penalized(logits, history, step, penalty, self.config.pad_id, ops)
+                return rules.repetition_penalized(logits, history, step, penalty, pad, ops)
 
             logits = when(_static(penalty) or ops.not_equal(penalty, 1.0), penalized, logits)
-        raw = ops.reshape(ops.log_softmax(logits, axis=-1), (sentences, beam, vocab))
-        log_probs = constrain(raw, step, limits, self.never, self.is_eos, self.min_length, ops)
+        free = logits  # what a prefix token's log-probability is taken from (no ban applies to it)
+        if self.suppressed is not None:
+            logits = ops.where(self.suppressed, ops.cast(NEG_INF, logits.dtype), logits)
         if _on(size, 0):
 
-            def without_repeats(log_probs=log_probs):
+            def without_repeats(logits=logits):
                 tokens, banned = rules.repeated_ngram_ends(history, step, size, ops)
-                return rules.ban(log_probs, tokens, banned, self.config.pad_id, ops)
+                return rules.ban(logits, tokens, banned, pad, ops)
 
-            log_probs = when(_static(size) or ops.greater(size, 0), without_repeats, log_probs)
+            logits = when(_static(size) or ops.greater(size, 0), without_repeats, logits)
         sequences = controls.suppress_sequences
         if sequences is not None:
-            lengths = Controls.lengths(sequences, self.config.pad_id)
+            lengths = Controls.lengths(sequences, pad)
 
-            def without_sequences(log_probs=log_probs):
+            def without_sequences(logits=logits):
                 tokens, banned = rules.sequence_ends(history, step, sequences, lengths, ops)
-                return rules.ban(log_probs, tokens, banned, self.config.pad_id, ops)
+                return rules.ban(logits, tokens, banned, pad, ops)
 
             multi = isinstance(sequences, np.ndarray) or ops.any(ops.greater(lengths, 1))
-            log_probs = when(multi, without_sequences, log_probs)
+            logits = when(multi, without_sequences, logits)
+        raw = ops.reshape(ops.log_softmax(logits, axis=-1), (sentences, beam, vocab))
+        log_probs = constrain(raw, step, limits, self.never, self.is_eos, self.min_length, ops)
         if prefix is not None:
 
             def forced(log_probs=log_probs):
-                return rules.forced_prefix(log_probs, raw, step, prefix, prefix_lengths, ops)
+                free_log_probs = raw if free is logits else ops.log_softmax(free, axis=-1)
+                free_log_probs = ops.reshape(free_log_probs, (sentences, beam, vocab))
+                return rules.forced_prefix(log_probs, free_log_probs, step, prefix, prefix_lengths, ops)
 
             log_probs = when(ops.any(ops.less(step, prefix_lengths)), forced, log_probs)
         return log_probs
