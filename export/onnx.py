@@ -40,6 +40,7 @@ SavedModel it does not repair invalid UTF-8 (ONNX Runtime's string tensors
 come from `str` in Python, which is always valid).
 """
 
+import contextlib
 import os
 
 import numpy as np
@@ -149,12 +150,13 @@ def convert(graphs, name, extra_opset=None, function=None):
     previous = os.environ.get("TF2ONNX_CATCH_ERRORS")
     os.environ["TF2ONNX_CATCH_ERRORS"] = "false"
     try:
-        model, _ = tf2onnx.convert.from_function(
-            function or tf.function(getattr(graphs, name), autograph=False),
-            input_signature=graphs.specs(name),
-            opset=OPSET,
-            extra_opset=extra_opset,
-        )
+        with _cleanups_only_after_changes():
+            model, _ = tf2onnx.convert.from_function(
+                function or tf.function(getattr(graphs, name), autograph=False),
+                input_signature=graphs.specs(name),
+                opset=OPSET,
+                extra_opset=extra_opset,
+            )
     finally:
         if previous is None:
             del os.environ["TF2ONNX_CATCH_ERRORS"]
@@ -165,6 +167,41 @@ def convert(graphs, name, extra_opset=None, function=None):
     reshape_zeros_as_tensorflow(model)
     model.doc_string = f"keras-transformer {name}"
     return model
+
+
+@contextlib.contextmanager
+def _cleanups_only_after_changes():
+    """tf2onnx with its dead-node sweep only where it can find something.
+
+    After each of its optimizers (a dozen, applied until none changes the graph),
+    tf2onnx syncs the graph's protos and sweeps the nodes no output needs, over every
+    subgraph: about half of a search's conversion time. A sweep after an optimizer
+    that changed nothing finds nothing the previous sweep left, so here the sync and
+    the sweep run once before the optimizers and then after each change only (the
+    same graph; the three searches convert ~40 s faster)."""
+    from tf2onnx import optimizer
+    from tf2onnx.optimizer.optimizer_base import GraphOptimizerBase
+
+    original_optimize, original_graph = GraphOptimizerBase.optimize, optimizer.optimize_graph
+
+    def optimize(self, graph, iteration):
+        self.opt_iteration = iteration
+        graph = self._optimize(graph)
+        if self.graph_been_opt:
+            graph.update_proto()
+            graph.delete_unused_nodes(graph.outputs)
+        return graph
+
+    def optimize_graph(graph, catch_errors=True, optimizers=None):
+        graph.update_proto()
+        graph.delete_unused_nodes(graph.outputs)
+        return original_graph(graph, catch_errors, optimizers=optimizers)
+
+    GraphOptimizerBase.optimize, optimizer.optimize_graph = optimize, optimize_graph
+    try:
+        yield
+    finally:
+        GraphOptimizerBase.optimize, optimizer.optimize_graph = original_optimize, original_graph
 
 
 # translate.onnx's outputs: those of each search, then the alignments.

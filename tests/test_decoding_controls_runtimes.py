@@ -23,7 +23,7 @@ from keras_transformer import cli
 from keras_transformer.decoding import policy
 from keras_transformer.decoding.controls import DecodingOptions, sentence_hypotheses
 
-SENTENCE_COUNT = 8
+SENTENCE_COUNT = 6
 
 # name -> translate_hypotheses arguments (the prefix ones are filled in from the default output).
 CASES = {
