@@ -186,7 +186,7 @@ def _decode(
             )  # fmt: skip
         )
 
-    def searched(controls):
+    def searched(controls, banned=banned):
         ids, scores, log_probs = beam_pools(
             model, source_ids, beam_size, o.length_penalty, o.max_extra_length, None, o.min_length, True,
             cache_policy, banned, controls,
@@ -196,21 +196,21 @@ def _decode(
 
     if search is not None:  # one search, as asked
         check_choice("search", search, SEARCHES)
-        return {"beam": searched, "beam_with_controls": searched, "sample": sampled}[search](
-            Controls() if search == "beam" else controls
-        )
+        if search == "beam":  # no control at all: the search of a request with the defaults
+            return searched(Controls(), banned=(False, None))
+        return {"beam_with_controls": searched, "sample": sampled}[search](controls)
 
     def controlled():
         return searched(controls)
 
     def plain():
-        return searched(Controls())
+        return searched(Controls(), banned=(False, None))
 
     def sampling():  # with its controls (no-ops where off): a second sampling loop is not worth it
         return sampled(controls if not all(_static(v) for v in controls) or controls.any_on() else Controls())
 
     def searching():
-        return when(_controls_on(model.config, controls), controlled, plain)
+        return when(_controls_on(model.config, controls, banned), controlled, plain)
 
     topk = o.sampling_topk
     result = when(topk != 1 if _static(topk) else ops.not_equal(topk, 1), sampling, searching)
@@ -231,29 +231,38 @@ def _decode(
 def search_choice(config, options, target_prefix, suppress_sequences):
     """`(sampling, with_controls)`: whether `decode` samples, and whether its beam search has the
     per-step controls, for a request (bools, or bool tensors for tensor options)."""
-    _, controls = split_controls(
+    banned, controls = split_controls(
         config,
+        disable_unk=options.disable_unk,
         target_prefix=_padded(target_prefix, config.pad_id),
         suppress_sequences=suppress_sequences,
         no_repeat_ngram_size=options.no_repeat_ngram_size,
         repetition_penalty=options.repetition_penalty,
     )
     topk = options.sampling_topk
-    return (topk != 1 if _static(topk) else ops.not_equal(topk, 1)), _controls_on(config, controls)
+    return (topk != 1 if _static(topk) else ops.not_equal(topk, 1)), _controls_on(config, controls, banned)
 
 
-def _controls_on(config, controls):
-    """Whether some per-step control acts: a Python bool where the controls are Python values."""
-    prefix, sequences = controls.target_prefix, controls.suppress_sequences
-    if all(_static(v) for v in controls):
-        return controls.any_on()
+def _controls_on(config, controls, banned):
+    """Whether some control acts: a per-step one, `disable_unk` or a banned sequence (the plain
+    search has none, so a request with the defaults pays for none); a Python bool where the
+    controls are Python values."""
+    disable_unk, sequences = banned
+    prefix = controls.target_prefix
+    if all(_static(v) for v in (*controls, disable_unk)) and (
+        sequences is None or isinstance(sequences, np.ndarray)
+    ):
+        has_sequences = sequences is not None and bool(np.any(sequences != config.pad_id))
+        return controls.any_on() or bool(disable_unk) or has_sequences
+    lengths = None if sequences is None else Controls.lengths(sequences, config.pad_id)
     on = ops.logical_or(
         ops.not_equal(controls.no_repeat_ngram_size, 0), ops.not_equal(controls.repetition_penalty, 1.0)
     )
+    on = ops.logical_or(on, ops.cast(disable_unk, "bool"))
     if prefix is not None:
         on = ops.logical_or(on, ops.any(ops.not_equal(prefix, config.pad_id)))
-    if sequences is not None:
-        on = ops.logical_or(on, ops.any(ops.greater(Controls.lengths(sequences, config.pad_id), 1)))
+    if lengths is not None:
+        on = ops.logical_or(on, ops.any(ops.greater(lengths, 0)))
     return on
 
 
