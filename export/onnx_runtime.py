@@ -244,13 +244,13 @@ class _Search:
             and self.sequences is None
         ):
             raw = outputs["log_probs"].reshape(shape)
-            free = raw
+            unbanned = None  # the prefix's log-probabilities are `raw`'s
         else:  # CTranslate2's order: the penalty, then the controls' bans, on the logits
             logits = outputs["logits"].reshape(shape)
             if options.repetition_penalty != 1.0:
                 penalty = np.float32(options.repetition_penalty)
                 logits = rules.repetition_penalized(logits, history, step, penalty, pad, np)
-            free = _log_softmax(logits)
+            unbanned = logits  # what a prefix token's log-probability is taken from
             if self.suppressed is not None:
                 logits = np.where(self.suppressed, np.float32(policy.NEG_INF), logits)
             if size:
@@ -262,8 +262,9 @@ class _Search:
                 logits = rules.ban(logits, tokens, banned, pad, np)
             raw = _log_softmax(logits)
         log_probs = policy.constrain(raw, step, limits, self.never, self.is_eos, options.min_length, np)
-        if prefix is not None:
+        if prefix is not None and np.any(step < np.sum(prefix != pad, axis=1)):
             lengths = np.sum(prefix != pad, axis=1)
+            free = raw if unbanned is None else _log_softmax(unbanned)
             log_probs = rules.forced_prefix(log_probs, free, step, prefix, lengths, np)
         return log_probs.astype(np.float32)
 
