@@ -113,13 +113,13 @@ def reference_logits(model, source_ids, target_ids, planted=None):
     return hidden @ embedding.T  # the tied pre-softmax projection
 
 
-def reference_greedy(model, source_ids, steps):
-    """Greedy decoding with the reference: the argmax of the last position, `steps` times, EOS
-    at the last (the output length limit, §6.1)."""
+def reference_greedy(model, source_ids, steps, logits_of=reference_logits):
+    """Greedy decoding with a reference (`logits_of(model, source_ids, target_ids)`): the argmax
+    of the last position, `steps` times, EOS at the last (the output length limit, §6.1)."""
     config = model.config
     tokens = np.full((len(source_ids), 1), config.bos_id)
     for step in range(steps):
-        logits = reference_logits(model, source_ids, tokens)[:, -1]
+        logits = np.array(logits_of(model, source_ids, tokens)[:, -1], np.float64)
         logits[:, [config.pad_id, config.bos_id]] = -np.inf  # the search never outputs them
         if step == steps - 1:
             logits[:, np.arange(logits.shape[1]) != config.eos_id] = -np.inf
@@ -143,18 +143,22 @@ def _model_and_batch(norm_first, seed=0):
     return model, source_ids, target_ids
 
 
-@pytest.mark.parametrize("norm_first", [False, True], ids=["post_ln", "pre_ln"])
-def test_logits_and_greedy_tokens_equal_the_papers_forward_pass(norm_first):
-    model, source_ids, target_ids = _model_and_batch(norm_first)
+def _assert_same_logits_and_greedy_tokens(model, source_ids, target_ids, logits_of, tolerance):
     keras_logits = np.asarray(model({"source_ids": source_ids, "target_ids": target_ids}, training=False))
-    ours = reference_logits(model, source_ids, target_ids)
+    theirs = np.asarray(logits_of(model, source_ids, target_ids))
     real = target_ids != 0  # positions after the target's padding are not compared
-    np.testing.assert_allclose(keras_logits[real], ours[real], atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(keras_logits[real], theirs[real], atol=tolerance, rtol=tolerance)
     greedy = np.asarray(kt.greedy_search(model, source_ids, max_length=6).ids)
-    expected = reference_greedy(model, source_ids, 6)
+    expected = reference_greedy(model, source_ids, 6, logits_of)
     for row, reference in zip(greedy, expected):  # the search stops a sentence at its EOS
         length = next((i + 1 for i, t in enumerate(row) if t == model.config.eos_id), len(row))
         assert row[:length].tolist() == reference[:length].tolist()
+
+
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post_ln", "pre_ln"])
+def test_logits_and_greedy_tokens_equal_the_papers_forward_pass(norm_first):
+    model, source_ids, target_ids = _model_and_batch(norm_first)
+    _assert_same_logits_and_greedy_tokens(model, source_ids, target_ids, reference_logits, 1e-4)
 
 
 @pytest.mark.parametrize("planted", PLANTED)
@@ -165,3 +169,72 @@ def test_a_planted_mistake_is_caught(planted, norm_first):
     wrong = reference_logits(model, source_ids, target_ids, planted=planted)
     real = target_ids != 0
     assert np.max(np.abs(keras_logits[real] - wrong[real])) > 1e-2
+
+
+def keras_hub_logits(model, source_ids, target_ids):
+    """The model's weights moved into keras-hub's layers: `TransformerEncoder`/`TransformerDecoder`
+    (their `normalize_first` is our `norm_first`), `SinePositionEncoding` (interleaved, §3.5), a
+    `LayerNormalization` per stack for pre-LN, and the tied projection (§3.4)."""
+    import keras
+    import keras_hub
+
+    config = model.config
+    w = {v.path.removeprefix(model.name + "/"): v.numpy() for v in model.weights}
+
+    def copy_layer(layer, prefix):
+        """Our layer `prefix`'s weights into keras-hub's `layer` (built), sublayer by sublayer."""
+        attention = ("query_kernel", "query_bias", "key_kernel", "key_bias", "value_kernel", "value_bias")
+        attention += ("output_kernel", "output_bias")
+        pairs = [("self_attention", layer._self_attention_layer, attention)]
+        pairs += [("self_attention_norm", layer._self_attention_layer_norm, ("gamma", "beta"))]
+        if prefix.startswith("decoder"):
+            pairs += [("cross_attention", layer._cross_attention_layer, attention)]
+            pairs += [("cross_attention_norm", layer._cross_attention_layer_norm, ("gamma", "beta"))]
+        pairs += [("feed_forward/inner_dense", layer._feedforward_intermediate_dense, ("kernel", "bias"))]
+        pairs += [("feed_forward/output_dense", layer._feedforward_output_dense, ("kernel", "bias"))]
+        pairs += [("feed_forward_norm", layer._feedforward_layer_norm, ("gamma", "beta"))]
+        for ours, theirs, names in pairs:
+            theirs.set_weights([w[f"{prefix}/{ours}/{name}"] for name in names])
+
+    def output_norm(side, x):
+        if not config.norm_first:
+            return x
+        layer = keras.layers.LayerNormalization(epsilon=config.layer_norm_epsilon)
+        layer.build((None, None, config.d_model))
+        layer.set_weights([w[f"{side}/output_norm/gamma"], w[f"{side}/output_norm/beta"]])
+        return layer(x)
+
+    def embed(ids):
+        x = w["token_embedding/embeddings"][ids] * np.sqrt(config.d_model)
+        return x + np.asarray(keras_hub.layers.SinePositionEncoding()(x))
+
+    options = dict(
+        intermediate_dim=config.d_ff,
+        num_heads=config.num_heads,
+        layer_norm_epsilon=config.layer_norm_epsilon,
+        normalize_first=config.norm_first,
+    )
+    source_padding, target_padding = source_ids != config.pad_id, target_ids != config.pad_id
+    memory = embed(source_ids)
+    for i in range(config.num_layers):
+        layer = keras_hub.layers.TransformerEncoder(**options)
+        layer(memory, padding_mask=source_padding)  # builds it
+        copy_layer(layer, f"encoder/layer_{i}")
+        memory = layer(memory, padding_mask=source_padding)
+    memory = output_norm("encoder", memory)
+    hidden = embed(target_ids)
+    masks = dict(decoder_padding_mask=target_padding, encoder_padding_mask=source_padding)
+    for i in range(config.num_decoder_layers):
+        layer = keras_hub.layers.TransformerDecoder(**options)
+        layer(hidden, memory, **masks)  # builds it
+        copy_layer(layer, f"decoder/layer_{i}")
+        hidden = layer(hidden, memory, **masks)  # causal self-attention by default
+    hidden = output_norm("decoder", hidden)
+    return np.asarray(hidden) @ w["token_embedding/embeddings"].T
+
+
+@pytest.mark.parametrize("norm_first", [False, True], ids=["post_ln", "pre_ln"])
+def test_logits_and_greedy_tokens_equal_keras_hubs_layers(norm_first):
+    pytest.importorskip("keras_hub", reason="keras-hub is in the test extra: pip install -e '.[test]'")
+    model, source_ids, target_ids = _model_and_batch(norm_first)
+    _assert_same_logits_and_greedy_tokens(model, source_ids, target_ids, keras_hub_logits, 1e-5)
