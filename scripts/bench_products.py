@@ -107,7 +107,7 @@ def main():
     target_length = labels.shape[1]
     real_targets = int((labels != 0).sum())
     config = model_config("mini", vocab_size)
-    config = type(config)(**{**config.to_dict(), "num_layers": args.layers})
+    config = config.replace(num_layers=args.layers)
     products = step_products(config, rows, source_length, target_length, real_targets)
     print(
         f"mini, {args.layers}+{args.layers} layers, batch {rows} x {source_length} source / {target_length} "

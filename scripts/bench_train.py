@@ -187,7 +187,7 @@ def build(implementation, config, jit_compile):
         model = keras_hub_transformer(config)
     else:
         mode = "per_head" if implementation == "ours per-head" else "batched"
-        model = kt.Transformer(kt.TransformerConfig(**{**config.to_dict(), "attention_mode": mode}))
+        model = kt.Transformer(config.replace(attention_mode=mode))
         # "ours logits": Keras' own step on the (batch, len, vocab) logits, as
         # keras-hub's build trains, instead of our fused projection + loss.
         model.fused_step = FusedOutputLossStep() if implementation != "ours logits" else None

@@ -68,7 +68,9 @@ MODEL_KEYS = (
 
 def model_summary(config):
     """The model's shape from the run's `run.json` (the settings the recipe changes)."""
-    return {key: config[key] for key in MODEL_KEYS}
+    shape = {key: config[key] for key in MODEL_KEYS}
+    shape["num_decoder_layers"] = shape["num_decoder_layers"] or shape["num_layers"]  # None: the same
+    return shape
 
 
 def run_results(run, epochs_asked, max_minutes, start, trained, end):

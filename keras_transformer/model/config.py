@@ -7,6 +7,7 @@ base 63,082,496 and big 214,245,376 (the paper rounds to 65M and 213M).
 """
 
 import dataclasses
+import difflib
 
 from keras_transformer.layers.multi_head_attention import ATTENTION_MODES
 from keras_transformer.utils.checks import check_choice, check_positive_int, check_rate
@@ -24,6 +25,21 @@ PRESETS = {
     # Tests and toy tasks.
     "tiny": dict(num_layers=2, d_model=64, num_heads=4, d_ff=256, dropout_rate=0.1, max_length=128),
 }
+
+
+def check_fields(values):
+    """Raises a ValueError naming each unknown key of `values`, with the close field names and the
+    list of all fields."""
+    fields = [field.name for field in dataclasses.fields(TransformerConfig)]
+    unknown = [key for key in values if key not in fields]
+    if unknown:
+        hints = []
+        for key in unknown:
+            close = difflib.get_close_matches(key, fields, 1)
+            hints.append(f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key))
+        raise ValueError(
+            f"unknown TransformerConfig field {', '.join(hints)}; the fields are: {', '.join(fields)}."
+        )
 
 
 @dataclasses.dataclass
@@ -74,8 +90,12 @@ class TransformerConfig:
     eos_id: int = 3
 
     def __post_init__(self):
+        # Fields left to default from another field; `to_dict` gives them back as None, so an override
+        # of the field they follow (`replace(num_layers=3)`) re-derives them.
+        self._derived = ()
         if self.num_decoder_layers is None:
             self.num_decoder_layers = self.num_layers
+            self._derived = ("num_decoder_layers",)
         for name in (
             "vocab_size",
             "num_layers",
@@ -124,19 +144,38 @@ class TransformerConfig:
         2048
         """
         check_choice("preset", name, tuple(PRESETS))
+        check_fields(overrides)
         if "vocab_size" not in overrides:
             raise ValueError(f"from_preset({name!r}) needs vocab_size=... (the vocabulary size).")
         return cls(**{**PRESETS[name], **overrides})
 
     def to_dict(self):
-        return dataclasses.asdict(self)
+        """The fields as given: one left to default from another (`num_decoder_layers`) is None.
+
+        Example:
+        >>> TransformerConfig.from_preset("tiny", vocab_size=100).to_dict()["num_decoder_layers"] is None
+        True
+        """
+        values = dataclasses.asdict(self)
+        values.update(dict.fromkeys(self._derived))
+        return values
 
     @classmethod
     def from_dict(cls, values):
-        unknown = set(values) - {field.name for field in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"Unknown TransformerConfig fields: {sorted(unknown)}.")
+        """The config of `to_dict`'s dictionary; an unknown key is an error that lists the fields."""
+        check_fields(values)
         return cls(**values)
+
+    def replace(self, **changes):
+        """A copy with `changes`; a field that defaulted from another follows it again (use this, not
+        `dataclasses.replace`, which copies the derived value).
+
+        Example:
+        >>> config = TransformerConfig.from_preset("mini", vocab_size=100)
+        >>> config.replace(num_layers=3).num_decoder_layers
+        3
+        """
+        return type(self).from_dict({**self.to_dict(), **changes})
 
     def layer_arguments(self):
         """The arguments that `Encoder`/`Decoder` take besides `num_layers`."""

@@ -64,7 +64,7 @@ class Transformer(keras_compat.DistributedFitFixes, keras.Model):
         elif isinstance(config, dict):
             config = TransformerConfig.from_dict({**config, **overrides})
         elif overrides:
-            config = dataclasses.replace(config, **overrides)
+            config = config.replace(**overrides)
         super().__init__(**kwargs)
         self.config = config
         # A training choice, not part of the saved config: see `train_step`.
@@ -247,7 +247,7 @@ class Transformer(keras_compat.DistributedFitFixes, keras.Model):
                 layer.mode = mode
             elif hasattr(layer, "attention_mode"):
                 layer.attention_mode = mode
-        self.config = dataclasses.replace(self.config, attention_mode=mode)
+        self.config = self.config.replace(attention_mode=mode)
         self.train_function = self.test_function = self.predict_function = None
 
     def train_step(self, *args):
