@@ -26,7 +26,12 @@ def add_export_command(commands):
         default=policy.MAX_EXTRA_LENGTH,
         help="output length limit = source length + this (default 50)",
     )
-    export.add_argument("--format", required=True, choices=["saved_model", "onnx", "ctranslate2"])
+    export.add_argument(
+        "--format",
+        required=True,
+        choices=["saved_model", "onnx", "ctranslate2"],
+        help="TF Serving's SavedModel layout, ONNX graphs with the search inside, or a CTranslate2 model",
+    )
     export.add_argument(
         "--quantization",
         "--quantize",
@@ -76,7 +81,7 @@ def add_export_command(commands):
 
 
 def _export(args):
-    from keras_transformer.training.run_directory import load_model, resolve_model
+    from keras_transformer.training.run_directory import RunDirectory, load_run_model, resolve_model
     from keras_transformer.utils.checks import UserError
     from keras_transformer_export.layout import check_free, check_model_name, export_lock
 
@@ -104,7 +109,11 @@ def _export(args):
             f"BLEU); drop {'it' if len(gate_options) == 1 else 'them'} or add "
             f"--quantization int8."
         )
-    run, model_path = resolve_model(args.model)
+    if args.checkpoint is None:  # the run and its model file, or one line on what is missing
+        run = resolve_model(args.model)[0]
+    else:  # the checkpoint is looked for once the destination is known to be free
+        run = RunDirectory(args.model)
+        run.settings()
     name = check_model_name(args.name or os.path.basename(os.path.abspath(run.path)))
     # One exporter at a time per destination: the TF Serving base directory
     # (versions and models.config), or the ONNX/CTranslate2 directory's parent.
@@ -115,7 +124,8 @@ def _export(args):
             check_free(out, args.overwrite)
         elif args.version is not None:
             check_free(os.path.join(out, name, str(args.version)), args.overwrite)
-        model, tokenizer = load_model(model_path), run.tokenizer()
+        model = load_run_model(args.model, args.checkpoint)[1]
+        tokenizer = run.tokenizer()
         if args.format == "ctranslate2":
             return _write_ctranslate2(args, model, tokenizer)
         from keras_transformer_export.graphs import TranslationGraphs

@@ -72,10 +72,9 @@ def _train(args):
 
 def _load(args):
     from keras_transformer.decoding.translator import Translator
-    from keras_transformer.training.run_directory import load_model, resolve_model
+    from keras_transformer.training.run_directory import load_run_model
 
-    run, model_path = resolve_model(args.model)
-    model = load_model(model_path)
+    run, model = load_run_model(args.model, args.checkpoint)
     translator = Translator(
         model,
         run.tokenizer(),
@@ -213,6 +212,7 @@ def _evaluate(args):
         length_penalty=args.length_penalty,
         batch_size=args.batch_size,
         progress=progress,
+        checkpoint=args.checkpoint,
     )
     progress.close()
     missing = (
@@ -250,8 +250,20 @@ def add_model_arguments(parser, beam=True, batch=True):
     parser.add_argument(
         "--model", required=True, help="a run directory (uses its model.keras) or a .keras file inside one"
     )
+    parser.add_argument(
+        "--checkpoint",
+        type=positive_int,
+        metavar="EPOCH",
+        help="the run's checkpoint of that epoch (RUN/checkpoints/) instead of its model.keras",
+    )
     if beam:
-        parser.add_argument("--beam-size", type=positive_int, default=policy.BEAM_SIZE)
+        parser.add_argument(
+            "--beam-size",
+            type=positive_int,
+            default=policy.BEAM_SIZE,
+            metavar="K",
+            help=f"hypotheses kept per sentence (default {policy.BEAM_SIZE}; 1: greedy)",
+        )
         parser.add_argument(
             "--length-penalty",
             type=non_negative_float,
@@ -259,7 +271,13 @@ def add_model_arguments(parser, beam=True, batch=True):
             help="alpha of the GNMT length penalty ((5 + length) / 6)^alpha (default 0.6; 0: none)",
         )
     if batch:
-        parser.add_argument("--batch-size", type=positive_int, default=64)
+        parser.add_argument(
+            "--batch-size",
+            type=positive_int,
+            default=64,
+            metavar="N",
+            help="sentences translated together, sorted by length (default 64)",
+        )
 
 
 def _decoding_arguments(parser):
@@ -387,10 +405,15 @@ def _train_parser(commands):
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports a bad argument in one line (no usage dump), exit status 2."""
+    """argparse that reports a bad argument in one line with the CLI's one prefix (no usage dump),
+    exit status 2, and takes no abbreviated flags (`--epoch` is not `--epochs`)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        self.exit(2, f"keras-transformer: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser():
@@ -428,15 +451,17 @@ def build_parser():
 
     average = commands.add_parser("average", help="average the last N epoch checkpoints")
     average.add_argument("--model", required=True, help="the run directory")
-    average.add_argument("--last", type=positive_int, default=5)
-    average.add_argument("--output", help="default: RUN/averaged.keras")
+    average.add_argument(
+        "--last", type=positive_int, default=5, metavar="N", help="the last N epoch checkpoints (default 5)"
+    )
+    average.add_argument("--output", help="the averaged model (default: RUN/averaged.keras)")
     average.set_defaults(handler=_average)
 
     attention = commands.add_parser("attention", help="draw a sentence's attention heads")
     add_model_arguments(attention)
     attention.add_argument("--text", required=True, help="the source sentence")
     attention.add_argument("--target", help="the target sentence (default: the model's translation)")
-    attention.add_argument("--out", default="attention.png")
+    attention.add_argument("--out", default="attention.png", help="the image (default attention.png)")
     attention.set_defaults(handler=_attention)
 
     presets = commands.add_parser("presets", help="list the model presets and their parameter counts")
@@ -472,7 +497,12 @@ def _start_tensorflow():
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)  # --help and usage errors end here, before TensorFlow
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)  # --help and usage errors end here, before TensorFlow
+    if unknown:  # reported by the command's parser, whose --help lists what it takes
+        parser._subparsers._group_actions[0].choices[args.command].error(
+            f"unrecognized arguments: {' '.join(unknown)}"
+        )
     from keras_transformer.utils.checks import UserError
     from keras_transformer.utils.files import StorageError
 

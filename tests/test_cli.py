@@ -1,6 +1,7 @@
 """The command line: bad input gives one line, exit status 2 and no run
 directory; a tiny run trains, translates, evaluates, averages and draws."""
 
+import argparse
 import json
 import os
 import subprocess
@@ -152,9 +153,115 @@ def test_bad_decoding_option_gives_one_line_exit_2(capsys):
         cli.main(["evaluate", "--model", "x", "--data", "synthetic", "--length-penalty", "-0.5"])
     assert exit.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [
-        "keras-transformer evaluate: error: argument --length-penalty: expected a number >= 0, "
-        "got '-0.5' (see --help)"
+        "keras-transformer: error: argument --length-penalty: expected a number >= 0, "
+        "got '-0.5' (see keras-transformer evaluate --help)"
     ]
+
+
+@pytest.mark.parametrize(
+    "arguments, expected",
+    [
+        (
+            ["--preset", "tinny"],
+            "preset must be one of ['base', 'big', 'small', 'mini', 'tiny']; got 'tinny' "
+            "(did you mean 'tiny'?)",
+        ),
+        (
+            ["--set", "dropout=0.2"],
+            "unknown TransformerConfig field 'dropout' (did you mean 'dropout_rate'?); "
+            "the fields are: vocab_size, num_layers,",
+        ),
+        (["--set", "num_layers=three"], "num_layers must be a positive integer"),
+        (["--set", "d_model=65"], "d_model=65 must be divisible by num_heads=4"),
+    ],
+)
+def test_model_settings_are_checked_before_any_corpus_is_read(
+    arguments, expected, tmp_path, capsys, monkeypatch
+):
+    from keras_transformer.training import setup
+
+    def never(*args, **kwargs):
+        raise AssertionError("the corpus was read before the settings were checked")
+
+    monkeypatch.setattr(setup, "load_corpus", never)
+    message = _fails_cleanly(capsys, tmp_path / "run", "--data", "synthetic", *arguments)
+    assert expected in message, message
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_malformed_data_argument_is_refused_whole(tmp_path, capsys, parallel_files):
+    """A stray ';' is refused before any file is read (the paths here do not exist)."""
+    for data in ("files:a.en,a.de;;val=b.en,b.de", "files:train=a.en,a.de;;", "files:;train=a.en,a.de"):
+        message = _fails_cleanly(capsys, tmp_path / "run", "--data", data)
+        assert "has an empty entry between ';' (a stray ';'?)" in message, message
+
+
+def test_flags_are_never_abbreviated_and_errors_have_one_prefix(capsys):
+    with pytest.raises(SystemExit) as exit:
+        cli.main(["train", "--out", "r", "--epoch", "1"])
+    assert exit.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "keras-transformer: error: unrecognized arguments: --epoch 1 (see keras-transformer train --help)"
+    ]
+
+
+def test_every_option_of_every_command_has_help_and_shows_its_default():
+    parser = cli.build_parser()
+    for name, command in parser._subparsers._group_actions[0].choices.items():
+        for action in command._actions:
+            if action.dest in ("help",) or not action.option_strings:
+                continue
+            assert action.help, f"{name} {action.option_strings[0]} has no help"
+            shown = action.default not in (None, False, [], argparse.SUPPRESS)
+            assert not shown or str(action.default) in action.help, f"{name} {action.option_strings[0]}"
+
+
+def test_a_missing_model_file_is_named_as_missing(tmp_path, capsys):
+    message = _translate_fails(capsys, "--model", str(tmp_path / "runs" / "mine" / "averagd.keras"))
+    assert message == (
+        f"keras-transformer: error: {tmp_path / 'runs' / 'mine' / 'averagd.keras'} does not exist "
+        "(--model takes a run directory or a .keras file)."
+    )
+
+
+def _translate_fails(capsys, *arguments):
+    status = cli.main(["translate", *arguments])
+    error = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(error) == 1, error
+    return error[0]
+
+
+def test_translate_from_an_epoch_checkpoint(trained_run, monkeypatch, capsys):
+    """`--checkpoint N` translates with the run's epoch-N checkpoint (the last one holds the final
+    model's weights), and a missing epoch is named with the epochs there are."""
+    import io
+
+    from keras_transformer.training.run_directory import load_run_model
+
+    final = load_run_model(trained_run)[1].get_weights()
+    last = load_run_model(trained_run, checkpoint=3)[1].get_weights()
+    second = load_run_model(trained_run, checkpoint=2)[1].get_weights()
+    assert all(np.array_equal(a, b) for a, b in zip(last, final))
+    assert not all(np.array_equal(a, b) for a, b in zip(second, final))
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"the dog sees the cat\n")))
+    assert cli.main(["translate", "--model", str(trained_run), "--checkpoint", "2", "--beam-size", "1"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 1
+    message = _translate_fails(capsys, "--model", str(trained_run), "--checkpoint", "9")
+    assert "holds no checkpoint of epoch 9; it holds epochs [1, 2, 3]" in message, message
+
+
+def test_train_warns_when_the_warmup_outlasts_the_run():
+    from keras_transformer.training.options import TrainingOptions
+    from keras_transformer.training.setup import _warn_if_warmup_outlasts_the_run
+
+    said = []
+    _warn_if_warmup_outlasts_the_run(TrainingOptions(out="r", epochs=1), 73, said.append)
+    assert said and said[0].startswith(
+        "Warning: --warmup-steps 4000 is longer than the whole run (73 updates"
+    )
+    said.clear()
+    _warn_if_warmup_outlasts_the_run(TrainingOptions(out="r", epochs=10, warmup_steps=400), 113, said.append)
+    assert said == []
 
 
 def test_existing_run_directory_needs_resume_or_overwrite(tmp_path, capsys, parallel_files):

@@ -113,7 +113,9 @@ def parse_files(dataset):
     the three, each once) -> `{split: (source path, target path)}`."""
     usage = "files:SRC,TGT or files:train=SRC,TGT;val=SRC,TGT;test=SRC,TGT"
     body = dataset[len("files:") :]
-    parts = [part.strip() for part in body.split(";") if part.strip()]
+    parts = [part.strip() for part in body.split(";")]
+    if len(parts) > 1 and not all(parts):
+        raise CorpusError(f"{dataset!r} has an empty entry between ';' (a stray ';'?); use {usage}.")
     if len(parts) == 1 and "=" not in parts[0]:
         parts = [f"train={parts[0]}"]
     splits = {}

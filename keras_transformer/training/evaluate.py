@@ -13,7 +13,7 @@ from keras_transformer.data.corpora import load_corpus
 from keras_transformer.decoding import policy
 from keras_transformer.decoding.translator import Translator
 from keras_transformer.evaluation import Scores, score_translations
-from keras_transformer.training.run_directory import load_model, resolve_model
+from keras_transformer.training.run_directory import load_run_model
 from keras_transformer.utils.files import atomic_write
 
 
@@ -42,6 +42,7 @@ def evaluate_run(
     length_penalty=policy.LENGTH_PENALTY,
     batch_size=64,
     progress=None,
+    checkpoint=None,
 ):
     """Translates and scores `data`'s `split` with a run's model.
 
@@ -54,13 +55,15 @@ def evaluate_run(
         output: the translations file (default `RUN/translations-DATA-SPLIT.txt`).
         beam_size, length_penalty, batch_size: of the `Translator`.
         progress: called with `(sentences done, sentences)` after every batch.
+        checkpoint: an epoch: its checkpoint in the run (`model` a run directory) instead of the
+            model file.
 
     Returns:
         an `Evaluation`.
     """
-    run, model_path = resolve_model(model)
+    run, loaded = load_run_model(model, checkpoint)
     translator = Translator(
-        load_model(model_path),
+        loaded,
         run.tokenizer(),
         beam_size=beam_size,
         length_penalty=length_penalty,

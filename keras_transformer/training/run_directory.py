@@ -121,6 +121,8 @@ def resolve_model(path):
     """`(RunDirectory, model file)` for `--model`: a run directory or a `.keras` file in one."""
     path = pathlib.Path(path)
     if path.suffix == ".keras":
+        if not path.exists():
+            raise UserError(f"{path} does not exist (--model takes a run directory or a .keras file).")
         run, model_path = RunDirectory(path.parent), path
     else:
         run = RunDirectory(path)
@@ -199,31 +201,61 @@ def average_last_checkpoints(run, last, output=None):
     `RUN/averaged.keras`). `UserError` when the run holds fewer checkpoints;
     `checkpoints.CorruptCheckpoint` (a `UserError`) when one is damaged.
     """
-    from keras_transformer.model.config import TransformerConfig
-    from keras_transformer.model.transformer import Transformer
-    from keras_transformer.training.checkpoints import average_checkpoints, epoch_checkpoints
-    from keras_transformer.training.optimizer import compile_transformer
+    from keras_transformer.training.checkpoints import epoch_checkpoints
 
-    settings = run.settings()
     checkpoints = epoch_checkpoints(run.checkpoints_dir)
     if len(checkpoints) < last:
         raise UserError(
             f"--last {last}, but {run.checkpoints_dir} holds {len(checkpoints)} "
             f"epoch checkpoint(s) (train keeps --keep-checkpoints of them)."
         )
+    averaged = _model_of_checkpoints(run, checkpoints[-last:])
+    output = output or run.averaged_path
+    save_model(averaged, output)
+    return output, checkpoints[-last:]
+
+
+def _model_of_checkpoints(run, paths):
+    """The run's `Transformer` (uncompiled) with the mean of the weights in the epoch checkpoints
+    `paths` (one path: that checkpoint's weights)."""
+    from keras_transformer.model.config import TransformerConfig
+    from keras_transformer.model.transformer import Transformer
+    from keras_transformer.training.checkpoints import average_checkpoints
+    from keras_transformer.training.optimizer import compile_transformer
+
+    settings = run.settings()
     config = TransformerConfig.from_dict(settings["model"])
     model = Transformer(config)
     model.build()
     # The checkpoints hold the optimizer slots too: load them into a model compiled alike.
     options = settings["options"]
     compile_transformer(model, grad_accum=options.get("grad_accum", 1), clip_norm=options.get("clip_norm"))
-    average_checkpoints(model, checkpoints[-last:])
-    averaged = Transformer(config)
-    averaged.build()
-    averaged.set_weights(model.get_weights())
-    output = output or run.averaged_path
-    save_model(averaged, output)
-    return output, checkpoints[-last:]
+    average_checkpoints(model, paths)
+    plain = Transformer(config)
+    plain.build()
+    plain.set_weights(model.get_weights())
+    return plain
+
+
+def load_run_model(path, checkpoint=None):
+    """`(RunDirectory, Transformer)` for `--model PATH [--checkpoint EPOCH]`: the model file
+    (`resolve_model`), or with `checkpoint` the run's epoch checkpoint of that epoch."""
+    from keras_transformer.training.checkpoints import CHECKPOINT_PATTERN, epoch_checkpoints
+
+    if checkpoint is None:
+        run, model_path = resolve_model(path)
+        return run, load_model(model_path)
+    run = RunDirectory(path)
+    if pathlib.Path(path).suffix == ".keras":
+        raise UserError(f"--checkpoint needs --model RUN (a run directory), not the model file {path}.")
+    run.settings()
+    epochs = {int(CHECKPOINT_PATTERN.search(p).group(1)): p for p in epoch_checkpoints(run.checkpoints_dir)}
+    if checkpoint not in epochs:
+        raise UserError(
+            f"--checkpoint {checkpoint}: {run.checkpoints_dir} holds no checkpoint of epoch {checkpoint}; "
+            f"it holds epochs {sorted(epochs) or 'none'} (train keeps the last --keep-checkpoints)."
+        )
+    return run, _model_of_checkpoints(run, [epochs[checkpoint]])
 
 
 def average_run(path, last, output=None):

@@ -52,6 +52,7 @@ def prepare_run(run, options, log):
     stored = run.settings() if options.resume and run.settings_path.exists() else None
     if stored is not None:
         _check_same_run(stored["options"], options)
+    _model_config(options, options.vocab_size or DEFAULT_VOCAB_SIZE)  # the settings, before any corpus
     keras.utils.set_random_seed(options.seed)
     corpus = load_corpus(options.data, options.data_dir, options.source_lang, options.target_lang)
     train_pairs, val_pairs = corpus.train_and_validation(log)
@@ -89,6 +90,7 @@ def prepare_run(run, options, log):
         f"{max_length} tokens dropped; {batches.info.batches} batches per epoch; "
         f"{len(val_pairs[0]):,} validation pairs."
     )
+    _warn_if_warmup_outlasts_the_run(options, batches.info.batches, log)
     # The model's layers take the mixed policy when they are made; the caller's global policy is
     # restored afterwards (a Python caller's next model is not silently mixed).
     previous_policy = keras.config.dtype_policy()
@@ -137,6 +139,20 @@ def _train_tokenizer(train_pairs, vocab_size, log):
             f"is {DEFAULT_VOCAB_SIZE}; --vocab-size sets it)."
         )
     return tokenizer
+
+
+def _warn_if_warmup_outlasts_the_run(options, batches_per_epoch, log):
+    """A warning when the learning rate would still be warming up at the run's last update: it
+    then never leaves its first small values, and a short run learns next to nothing."""
+    updates = options.epochs * max(1, batches_per_epoch // options.grad_accum)
+    if options.warmup_steps >= updates:
+        log(
+            f"Warning: --warmup-steps {options.warmup_steps} is longer than the whole run ({updates:,} "
+            f"updates: {options.epochs} epoch(s) of {batches_per_epoch} batches"
+            f"{f' / --grad-accum {options.grad_accum}' if options.grad_accum > 1 else ''}); the "
+            f"learning rate never reaches its peak and the model may translate nothing. Give a "
+            f"--warmup-steps well under {updates:,} (the demo: 400 of 1,130) or more --epochs."
+        )
 
 
 def _model_config(options, vocab_size):

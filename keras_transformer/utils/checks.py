@@ -2,6 +2,7 @@
 and the `UserError` base class for problems a user must fix (no Keras: the
 command line reads this module before it imports anything heavy)."""
 
+import difflib
 import numbers
 
 
@@ -28,4 +29,6 @@ def check_rate(name, value):
 def check_choice(name, value, choices):
     """Raises `ValueError` unless `value` is one of `choices`."""
     if value not in choices:
-        raise ValueError(f"{name} must be one of {list(choices)}; got {value!r}.")
+        close = difflib.get_close_matches(str(value), [str(choice) for choice in choices], 1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"{name} must be one of {list(choices)}; got {value!r}{hint}.")
