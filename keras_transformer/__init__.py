@@ -58,8 +58,10 @@ EXPORTS = {
         "keras_transformer.training",
     ),
     **dict.fromkeys(["load_model", "load_translator"], "keras_transformer.training.run_directory"),
+    "train": "keras_transformer.training.trainer",
+    "TrainingOptions": "keras_transformer.training.options",
 }
-TENSORFLOW_NAMES = ("Tokenizer", "make_dataset", "Translator", "load_translator")
+TENSORFLOW_NAMES = ("Tokenizer", "make_dataset", "Translator", "load_translator", "train")
 
 # The modules whose classes a `.keras` file names (`keras_transformer>Transformer`, ...).
 SERIALIZABLE_MODULES = (

@@ -11,8 +11,30 @@ This module imports neither.
 import importlib
 import importlib.abc
 import importlib.util
+import json
+import os
 import sys
 import warnings
+
+
+def _keras_backend():
+    """The backend Keras will load, found as Keras finds it (`KERAS_BACKEND`, then `keras.json` in
+    `KERAS_HOME` or `~/.keras`), without importing it."""
+    if os.environ.get("KERAS_BACKEND"):
+        return os.environ["KERAS_BACKEND"]
+    home = os.environ.get("KERAS_HOME") or os.path.join(os.path.expanduser("~"), ".keras")
+    try:
+        with open(os.path.join(home, "keras.json")) as handle:
+            return json.load(handle).get("backend", "tensorflow")
+    except (OSError, ValueError, AttributeError):
+        return "tensorflow"
+
+
+def _tensorflow_comes_next(name, tensorflow_names):
+    """Whether importing the export `name` will import TensorFlow (not imported yet)."""
+    if "tensorflow" in sys.modules or importlib.util.find_spec("tensorflow") is None:
+        return name in tensorflow_names  # (where it is missing, `import_tensorflow` says so)
+    return name in tensorflow_names or ("keras" not in sys.modules and _keras_backend() == "tensorflow")
 
 
 def lazy_exports(package, exports, tensorflow_names=()):
@@ -21,15 +43,18 @@ def lazy_exports(package, exports, tensorflow_names=()):
 
     Names in `tensorflow_names` import TensorFlow through `import_tensorflow`
     first, so that where it is missing the error names the feature and the fix.
+    Where the first use imports TensorFlow (those names, or any on Keras's
+    TensorFlow backend), it is imported without its C++ start-up lines, as the
+    command line does (`KERAS_TRANSFORMER_TF_LOGS=1` shows them).
     """
 
     def __getattr__(name):
         if name not in exports:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        if name in tensorflow_names:
-            from keras_transformer.utils.tensorflow import import_tensorflow
+        if _tensorflow_comes_next(name, tensorflow_names):
+            from keras_transformer.utils.tensorflow import import_tensorflow_quietly
 
-            import_tensorflow(f"{package}.{name}")
+            import_tensorflow_quietly(f"{package}.{name}")
         value = getattr(importlib.import_module(exports[name]), name)
         setattr(sys.modules[package], name, value)  # found directly from now on
         return value

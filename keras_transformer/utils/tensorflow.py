@@ -54,7 +54,7 @@ def _is_start_up_line(line):
 def import_tensorflow_quietly(feature):
     """`import_tensorflow(feature)` without TensorFlow's C++ start-up lines on stderr.
 
-    For the command line, not for library users: it points file descriptor 2 at a
+    For the command line and the package's lazy names (`kt.Transformer`): it points file descriptor 2 at a
     temporary file while TensorFlow loads, then writes back everything but the
     start-up lines (warnings and errors stay), and finds the devices meanwhile
     (which logs too). Does nothing special when TensorFlow
