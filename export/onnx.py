@@ -41,6 +41,7 @@ come from `str` in Python, which is always valid).
 """
 
 import contextlib
+import logging
 import os
 
 import numpy as np
@@ -150,7 +151,7 @@ def convert(graphs, name, extra_opset=None, function=None):
     previous = os.environ.get("TF2ONNX_CATCH_ERRORS")
     os.environ["TF2ONNX_CATCH_ERRORS"] = "false"
     try:
-        with _cleanups_only_after_changes():
+        with _cleanups_only_after_changes(), _tf2onnx_quiet():
             model, _ = tf2onnx.convert.from_function(
                 function or tf.function(getattr(graphs, name), autograph=False),
                 input_signature=graphs.specs(name),
@@ -167,6 +168,27 @@ def convert(graphs, name, extra_opset=None, function=None):
     reshape_zeros_as_tensorflow(model)
     model.doc_string = f"keras-transformer {name}"
     return model
+
+
+@contextlib.contextmanager
+def _tf2onnx_quiet():
+    """tf2onnx's loggers at ERROR while it converts: its warnings here are hundreds of "missing
+    output shape" lines for the values inside the searches' loops (shapes it cannot infer and
+    does not need), which buried the export's own one-line report."""
+    loggers = [logging.getLogger("tf2onnx")]
+    loggers += [
+        logging.getLogger(name)
+        for name in list(logging.root.manager.loggerDict)
+        if name.startswith("tf2onnx.")
+    ]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 @contextlib.contextmanager
