@@ -337,6 +337,38 @@ def test_sigint_is_a_stop_request_and_a_second_one_interrupts():
         signal.signal(signal.SIGINT, inherited)
 
 
+def test_a_second_sigterm_stops_the_process_at_once():
+    """The first SIGTERM is a request; the second is delivered to the default handler, which ends
+    the process with SIGTERM (exit status -15 as Python's subprocess reports it)."""
+    code = (
+        "import signal\n"
+        "from keras_transformer.training.preemption import StopSignals\n"
+        "with StopSignals(print) as signals:\n"
+        "    signal.raise_signal(signal.SIGTERM)\n"
+        "    print('requested', signals.requested, flush=True)\n"
+        "    signal.raise_signal(signal.SIGTERM)\n"
+        "    print('still running')\n"
+    )
+    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert completed.returncode == -signal.SIGTERM, completed.stderr
+    assert completed.stdout.splitlines()[-1] == "requested SIGTERM"
+    assert "still running" not in completed.stdout
+
+
+def test_the_command_line_exits_130_on_an_interrupt_outside_the_stop_request(monkeypatch, capsys):
+    """A second Ctrl-C while `train` stops (Python's KeyboardInterrupt, as above), or one in any
+    other command: exit status 130 and one line, no traceback."""
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_presets", interrupted)
+    assert cli.main(["presets"]) == 130
+    assert capsys.readouterr().err.splitlines() == [
+        "keras-transformer: interrupted; the last saved state is intact."
+    ]
+
+
 # ------------------------------------------------------------------ corrupt files
 def _damage(path, how):
     if how == "truncate":

@@ -268,3 +268,51 @@ def test_val_bleu_every_measures_every_kth_epoch_and_the_last():
         if "val_bleu" in logs:
             measured.append((epoch + 1, round(logs["val_bleu"])))
     assert measured == [(3, 100), (6, 100), (7, 100)]
+
+
+def test_float16_with_loss_scaling_trains_and_resumes_on_mirrored_replicas(
+    corpus_files, tmp_path, monkeypatch
+):
+    """What `--mixed-precision` takes on a GPU (`mixed_float16`: Keras wraps the optimizer in a
+    `LossScaleOptimizer`, and the fused step scales the loss), here on two logical CPUs under
+    `MirroredStrategy`: one epoch, then `--resume` for a second; finite falling losses, one update
+    per global batch, float16 compute with float32 variables, the loss-scale optimizer both times."""
+    from keras_transformer.training import setup
+
+    monkeypatch.setattr(setup, "mixed_precision_policy", lambda: "mixed_float16")  # as with a GPU
+    optimizers = []
+    compile_transformer = setup.compile_transformer
+
+    def compile_and_record(model, *args, **kwargs):
+        compile_transformer(model, *args, **kwargs)
+        optimizers.append(type(model.optimizer).__name__)
+
+    monkeypatch.setattr(setup, "compile_transformer", compile_and_record)
+    out = tmp_path / "run"
+    for epochs, resume in ((1, False), (2, True)):
+        options = TrainingOptions(
+            out=str(out),
+            data=corpus_files,
+            preset="tiny",
+            vocab_size=300,
+            batch_tokens=1024,
+            warmup_steps=20,
+            epochs=epochs,
+            strategy="mirrored",
+            mixed_precision=True,
+            resume=resume,
+            verbose=0,
+        )
+        assert train(options, log=lambda *_: None).status == "finished"
+    assert optimizers == ["LossScaleOptimizer", "LossScaleOptimizer"]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["replicas"] == 2 and [entry["epoch"] for entry in metrics["epochs"]] == [1, 2]
+    losses = [entry["loss"] for entry in metrics["epochs"]]
+    assert np.all(np.isfinite(losses)) and losses[1] < losses[0]
+    assert np.isfinite(metrics["epochs"][1]["val_loss"])
+    steps = [entry["optimizer_steps"] for entry in metrics["epochs"]]
+    assert steps == [metrics["batches_per_epoch"], 2 * metrics["batches_per_epoch"]]  # no skipped update
+    import keras_transformer as kt  # noqa: F401
+
+    model = keras.saving.load_model(str(out / "model.keras"), compile=False)
+    assert model.encoder.compute_dtype == "float16" and all(w.dtype == "float32" for w in model.weights)
