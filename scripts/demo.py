@@ -1,26 +1,34 @@
 """`make demo`: the whole pipeline on the built-in synthetic language pair,
-through the same code as the `keras-transformer` commands it prints:
+through the same code as the `keras-transformer` commands it prints. It writes
+the pair as aligned text files (`data/demo/{train,val,test}.{en,de}`, as a
+user's own corpus would be) and runs the README's quick start on them, exactly
+(`QUICK_START`; tests/test_demo.py checks that the README shows these commands):
 
-    keras-transformer train     --data synthetic --preset tiny ... --out runs/demo --overwrite
-    keras-transformer evaluate  --model runs/demo --data synthetic --split test
-    keras-transformer translate --model runs/demo < sentences
+    keras-transformer train     --data "files:train=...;val=..." --preset tiny ... --out runs/demo --overwrite
+    keras-transformer translate --model runs/demo < (3 test sentences)
+    keras-transformer evaluate  --model runs/demo --data "files:test=..." --split test
+
+then draws one sentence's attention and exports the run:
+
     keras-transformer attention --model runs/demo --text ... --out runs/demo/attention.png
     keras-transformer export    --model runs/demo --format saved_model --out runs/demo/exports --overwrite
     keras-transformer export    --model runs/demo --format onnx --out runs/demo/onnx --overwrite
 
-then translates 100 test sentences with Keras, the reloaded SavedModel and
-ONNX Runtime (full graph, encoder/decoder-step pair, text graph) and checks
+and translates 100 test sentences with Keras, the reloaded SavedModel and
+ONNX Runtime (full graph, encoder/decoder-step pair, text graph) to check
 that they agree (`keras_transformer_export.parity`). It fails (exit 1) unless the test-split
 BLEU reaches 90 (the synthetic task is learnable, so a lower score is a bug)
-and every runtime gives Keras's translations.
+and every runtime gives Keras's translations. `make demo` runs it from the
+repository root; `.ci/run` runs `make demo` after `make test`.
 
-    python scripts/demo.py [--out runs/demo] [--epochs 10]
+    python scripts/demo.py [--data data/demo] [--out runs/demo]
 """
 
 import argparse
 import io
 import json
 import os
+import shlex
 import sys
 import time
 
@@ -34,50 +42,76 @@ PARITY_SENTENCES = 100
 
 
 def run(*arguments):
-    print(f"\n$ keras-transformer {' '.join(arguments)}", flush=True)
+    print(f"\n$ keras-transformer {shlex.join(arguments)}", flush=True)
     status = cli.main(list(arguments))
     if status != 0:
         raise SystemExit(f"demo FAILED: keras-transformer {arguments[0]} exited with {status}")
+
+
+def quick_start(data="data/demo", out="runs/demo"):
+    """The README's quick start: `(train arguments, translate arguments, evaluate arguments)`."""
+    train = [
+        "train",
+        "--data",
+        f"files:train={data}/train.en,{data}/train.de;val={data}/val.en,{data}/val.de",
+        "--preset",
+        "tiny",
+        "--vocab-size",
+        "1000",
+        "--warmup-steps",
+        "400",
+        "--epochs",
+        "10",
+        "--out",
+        out,
+        "--overwrite",
+    ]
+    translate = ["translate", "--model", out]
+    evaluate = [
+        "evaluate",
+        "--model",
+        out,
+        "--data",
+        f"files:test={data}/test.en,{data}/test.de",
+        "--split",
+        "test",
+    ]
+    return train, translate, evaluate
+
+
+def write_corpus(data):
+    """The synthetic pair's splits as aligned UTF-8 files in `data`."""
+    os.makedirs(data, exist_ok=True)
+    for split, (sources, targets) in load_corpus("synthetic").splits.items():
+        for language, lines in (("en", sources), ("de", targets)):
+            with open(os.path.join(data, f"{split}.{language}"), "w", encoding="utf-8") as file:
+                file.write("".join(f"{line}\n" for line in lines))
+    print(f"\n$ (the synthetic pair written as aligned text files: {data}/{{train,val,test}}.{{en,de}})")
 
 
 def main():
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--data", default="data/demo")
     parser.add_argument("--out", default="runs/demo")
-    parser.add_argument("--epochs", default="10")
     args = parser.parse_args()
     start = time.perf_counter()
-    # tiny preset (2+2 layers, d_model 64): 10 epochs of 113 batches of ~4096
-    # tokens on 20,000 synthetic pairs, about 45 s per epoch on 2 CPU cores.
-    run(
-        "train",
-        "--data",
-        "synthetic",
-        "--preset",
-        "tiny",
-        "--vocab-size",
-        "1000",
-        "--batch-tokens",
-        "4096",
-        "--warmup-steps",
-        "400",
-        "--epochs",
-        args.epochs,
-        "--out",
-        args.out,
-        "--overwrite",
-    )
-    run("evaluate", "--model", args.out, "--data", "synthetic", "--split", "test")
-    with open(os.path.join(args.out, "eval-synthetic-test.json"), encoding="utf-8") as file:
+    # tiny preset (2+2 layers, d_model 64): 10 epochs of 113 batches of ~4096 tokens on
+    # 20,000 synthetic pairs.
+    write_corpus(args.data)
+    train, translate, evaluate = quick_start(args.data, args.out)
+    run(*train)
+    run(*evaluate)
+    with open(os.path.join(args.out, "eval-files-test.json"), encoding="utf-8") as file:
         bleu = json.load(file)["bleu"]
 
     sources, references = load_corpus("synthetic")["test"]
-    print(f"\n$ keras-transformer translate --model {args.out} < (3 test sentences)")
+    print(f"\n$ keras-transformer {shlex.join(translate)} < (3 test sentences)")
     stdin, sys.stdin = sys.stdin, io.TextIOWrapper(io.BytesIO("\n".join(sources[:3]).encode() + b"\n"))
     output, sys.stdout = sys.stdout, io.StringIO()
     try:
-        cli.main(["translate", "--model", args.out])
+        cli.main(translate)
         translations = sys.stdout.getvalue().splitlines()
     finally:
         sys.stdin, sys.stdout = stdin, output
