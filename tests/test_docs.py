@@ -139,3 +139,37 @@ def test_relative_links_point_at_files_that_exist(document):
     targets = LINK.findall(path.read_text(encoding="utf-8"))
     missing = [t for t in targets if "://" not in t and not (path.parent / t).exists()]
     assert not missing, f"{document} links to missing files: {missing}"
+
+
+CITED_FILE = re.compile(
+    r"(?<![\w/.-])((?:results|bench_results|docs|scripts|tests)/[\w./-]*\w\.(?:json|png|py|sh|md))"
+)
+
+
+def _tracked_files():
+    """The repository's tracked files (`git ls-files`), or None outside a git checkout."""
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return set(listed.stdout.splitlines())
+
+
+@pytest.mark.parametrize("document", DOCUMENTS)
+def test_every_file_a_document_cites_is_tracked(document):
+    """A figure's file (`results/*.json`, `bench_results/*.json`) or a script a document names is a
+    file of the repository, committed: no citation of a file that is missing or only on one machine.
+    Placeholders in capitals (`results/NAME.json`) and `git show COMMIT:PATH` citations are not files."""
+    text = (ROOT / document).read_text(encoding="utf-8")
+    text = re.sub(r"git show \w+:\S+", "", text)
+    cited = {
+        path for path in CITED_FILE.findall(text) if not re.search(r"(?<![a-z])[A-Z]{3,}(?![a-z])", path)
+    }
+    tracked = _tracked_files()
+    if tracked is None:  # an exported tree, not a checkout: existence only
+        missing = sorted(path for path in cited if not (ROOT / path).is_file())
+    else:
+        missing = sorted(path for path in cited if path not in tracked)
+    assert not missing, f"{document} cites files that are not tracked: {missing}"
