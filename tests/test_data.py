@@ -82,6 +82,8 @@ def test_files_can_name_validation_and_test_splits(tmp_path):
         ("files:val=a", "val takes two comma-separated paths"),
         ("files:a,b,c", "train takes two comma-separated paths"),
         ("files:;", "names no files"),
+        ("files:", "names no files"),
+        ("files:a,b;;val=c,d", "has an empty entry between ';'"),
     ],
 )
 def test_bad_files_syntax_says_how_to_write_it(dataset, message):

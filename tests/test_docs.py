@@ -83,7 +83,9 @@ def workspace_template(trained_run, synthetic_files, tmp_path_factory):
     data.mkdir()
     for path in synthetic_files:
         shutil.copy(path, data / path.name)
-    corpus = SyntheticLanguagePair().corpus({"val": 24, "test": 24}, seed=11)
+    corpus = SyntheticLanguagePair().corpus(
+        {"val": 10, "test": 10}, seed=11
+    )  # decoding an undertrained model is slow
     for split in ("val", "test"):
         sources, targets = corpus[split]
         (data / f"{split}.en").write_text("\n".join(sources) + "\n", encoding="utf-8")

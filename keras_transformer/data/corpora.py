@@ -114,7 +114,9 @@ def parse_files(dataset):
     usage = "files:SRC,TGT or files:train=SRC,TGT;val=SRC,TGT;test=SRC,TGT"
     body = dataset[len("files:") :]
     parts = [part.strip() for part in body.split(";")]
-    if len(parts) > 1 and not all(parts):
+    if not any(parts):
+        raise CorpusError(f"{dataset!r} names no files; use {usage}.")
+    if not all(parts):
         raise CorpusError(f"{dataset!r} has an empty entry between ';' (a stray ';'?); use {usage}.")
     if len(parts) == 1 and "=" not in parts[0]:
         parts = [f"train={parts[0]}"]
@@ -129,8 +131,6 @@ def parse_files(dataset):
         if len(paths) != 2 or not all(paths):
             raise CorpusError(f"{dataset!r}: {name} takes two comma-separated paths, SRC,TGT ({usage}).")
         splits[name] = tuple(paths)
-    if not splits:
-        raise CorpusError(f"{dataset!r} names no files; use {usage}.")
     return splits
 
 
