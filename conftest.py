@@ -44,17 +44,19 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: 0 if "reverse_model" in getattr(item, "fixturenames", ()) else 1)
     for item in items:
         names = getattr(item, "fixturenames", ())
+        if "::test_document_code_runs[" in item.nodeid:  # their run is chosen in tests/test_docs.py
+            own = item.nodeid.endswith(_OWN_TRAINED_RUN)
+            item.add_marker(pytest.mark.xdist_group("document_run" if own else "trained_run"))
+            continue
         for fixture in _EXPENSIVE_FIXTURES:
             if fixture in names:
-                group = fixture
-                if fixture == "trained_run" and item.nodeid.endswith(_OWN_TRAINED_RUN):
-                    group = "trained_run_docs"
-                item.add_marker(pytest.mark.xdist_group(group))
+                item.add_marker(pytest.mark.xdist_group(fixture))
                 break
     return (yield)
 
 
-# The two longest document tests (3 minutes each: they run the commands of the document) go to a
-# group of their own, which trains a second tiny run on the other worker (about a minute): the
-# `trained_run` group alone would otherwise take most of the suite's time on one worker.
+# The two longest document tests (minutes each: they run the commands of the document) go to a
+# group of their own on the other worker, with a cheaper run of their own (`document_run`, in
+# tests/conftest.py): the `trained_run` group alone would otherwise take most of the suite's time
+# on one worker. tests/test_docs.py reads the group to pick the run.
 _OWN_TRAINED_RUN = ("test_document_code_runs[README.md]", "test_document_code_runs[docs/deployment.md]")

@@ -129,6 +129,23 @@ def trained_run(tmp_path_factory, synthetic_files):
 
 
 @pytest.fixture(scope="session")
+def document_run(tmp_path_factory, synthetic_files):
+    """A run directory as the documents assume `runs/demo` (a model, its tokenizer, its settings):
+    the tiny preset trained for one epoch on one device, for the document tests that run on the
+    worker without `trained_run` (conftest.py); it costs a fraction of `trained_run`."""
+    from keras_transformer import cli
+
+    out = tmp_path_factory.mktemp("runs") / "document"
+    arguments = ["--preset", "tiny", "--vocab-size", "300", "--batch-tokens", "1024", "--warmup-steps", "50"]
+    data = "files:{},{}".format(*synthetic_files)
+    status = cli.main(
+        ["train", "--data", data, "--out", str(out), "--epochs", "1", "--strategy", "default", *arguments]
+    )
+    assert status == 0
+    return out
+
+
+@pytest.fixture(scope="session")
 def small_corpus(synthetic_files, tmp_path_factory):
     """`files:SRC,TGT` of the first 320 synthetic pairs (304 train, 16 held out): short epochs
     (about 25 batches of 1024 tokens) for the tests that train whole runs."""

@@ -72,13 +72,18 @@ def test_blocks_that_do_not_run_say_why():
     assert len(skipped) <= 12, skipped
 
 
-@pytest.fixture(scope="module")
-def workspace_template(trained_run, synthetic_files, tmp_path_factory):
-    """`runs/demo` and `data/` as the documents assume them."""
+@pytest.fixture
+def workspace_template(request, synthetic_files, tmp_path_factory):
+    """`runs/demo` and `data/` as the documents assume them: `runs/demo` is the suite's
+    `trained_run`, or for the documents that conftest.py sends to the other worker the cheaper
+    `document_run` (no document needs more than a run directory with a model and a tokenizer)."""
     from keras_transformer.data.synthetic import SyntheticLanguagePair
 
+    group = request.node.get_closest_marker("xdist_group")
+    own = group is not None and group.args[0] == "document_run"
+    run = request.getfixturevalue("document_run" if own else "trained_run")
     template = tmp_path_factory.mktemp("docs-workspace")
-    shutil.copytree(trained_run, template / "runs" / "demo", ignore=shutil.ignore_patterns("*.lock"))
+    shutil.copytree(run, template / "runs" / "demo", ignore=shutil.ignore_patterns("*.lock"))
     data = template / "data"
     data.mkdir()
     for path in synthetic_files:
@@ -175,3 +180,29 @@ def test_every_file_a_document_cites_is_tracked(document):
     else:
         missing = sorted(path for path in cited if path not in tracked)
     assert not missing, f"{document} cites files that are not tracked: {missing}"
+
+
+def _block_lines(document, language):
+    return {
+        line.split("#")[0].strip()
+        for _, block_language, code, reason in code_blocks(document)
+        if block_language == language and not reason
+        for line in code.splitlines()
+        if line.split("#")[0].strip()
+    }
+
+
+def test_the_readmes_export_blocks_run_in_the_deployment_documents_test():
+    """The README's export commands and its ONNX Runtime code are not run in the README's own test
+    (each export takes a minute): docs/deployment.md, whose blocks run, holds them line for line."""
+    readme = [
+        (language, code)
+        for _, language, code, reason in code_blocks("README.md")
+        if reason and reason.startswith("docs/deployment.md")
+    ]
+    assert len(readme) == 2
+    for language, code in readme:
+        lines = {line.split("#")[0].strip() for line in code.splitlines() if line.split("#")[0].strip()}
+        assert lines <= _block_lines("docs/deployment.md", language), lines - _block_lines(
+            "docs/deployment.md", language
+        )
