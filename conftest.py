@@ -55,8 +55,11 @@ def pytest_collection_modifyitems(items):
     return (yield)
 
 
-# The two longest document tests (minutes each: they run the commands of the document) go to a
+# The four longest document tests (minutes each: they run the commands of the document) go to a
 # group of their own on the other worker, with a cheaper run of their own (`document_run`, in
 # tests/conftest.py): the `trained_run` group alone would otherwise take most of the suite's time
 # on one worker. tests/test_docs.py reads the group to pick the run.
-_OWN_TRAINED_RUN = ("test_document_code_runs[README.md]", "test_document_code_runs[docs/deployment.md]")
+_OWN_TRAINED_RUN = tuple(
+    f"test_document_code_runs[{document}]"
+    for document in ("README.md", "docs/deployment.md", "docs/cli.md", "docs/decoding.md")
+)
