@@ -472,6 +472,7 @@ def build_parser():
         help="shared vocabulary size (default: 37000, the paper's EN-DE)",
     )
     presets.set_defaults(handler=_presets)
+    parser.command_parsers = commands.choices  # name -> the command's parser
     return parser
 
 
@@ -500,7 +501,7 @@ def main(argv=None):
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)  # --help and usage errors end here, before TensorFlow
     if unknown:  # reported by the command's parser, whose --help lists what it takes
-        parser._subparsers._group_actions[0].choices[args.command].error(
+        parser.command_parsers[args.command].error(
             f"unrecognized arguments: {' '.join(unknown)}"
         )
     from keras_transformer.utils.checks import UserError

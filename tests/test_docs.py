@@ -148,9 +148,7 @@ def test_relative_links_point_at_files_that_exist(document):
     assert not missing, f"{document} links to missing files: {missing}"
 
 
-CITED_FILE = re.compile(
-    r"(?<![\w/.-])((?:results|bench_results|docs|scripts|tests)/[\w./-]*\w\.(?:json|png|py|sh|md))"
-)
+CITED_FILE = re.compile(r"(?<![\w/.-])((?:results|docs|scripts|tests)/[\w./-]*\w\.(?:json|png|py|sh|md))")
 
 
 def _tracked_files():
@@ -166,7 +164,7 @@ def _tracked_files():
 
 @pytest.mark.parametrize("document", DOCUMENTS)
 def test_every_file_a_document_cites_is_tracked(document):
-    """A figure's file (`results/*.json`, `bench_results/*.json`) or a script a document names is a
+    """A figure's file (`results/*.json`) or a script a document names is a
     file of the repository, committed: no citation of a file that is missing or only on one machine.
     Placeholders in capitals (`results/NAME.json`) and `git show COMMIT:PATH` citations are not files."""
     text = (ROOT / document).read_text(encoding="utf-8")

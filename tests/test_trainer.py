@@ -114,19 +114,16 @@ class _PoisonWeights(keras.callbacks.Callback):
             weight.assign(np.full(weight.shape, np.nan, "float32"))
 
 
+def _tiny_options(out, data, **changes):
+    """`TrainingOptions` of a quiet one-epoch tiny run on one device, with `changes`."""
+    values = dict(preset="tiny", vocab_size=300, batch_tokens=512, warmup_steps=50, epochs=1)
+    values.update(strategy="default", verbose=0)
+    return TrainingOptions(out=str(out), data=data, **{**values, **changes})
+
+
 def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(corpus_files, tmp_path):
     out = tmp_path / "run"
-    options = TrainingOptions(
-        out=str(out),
-        data=corpus_files,
-        preset="tiny",
-        vocab_size=300,
-        batch_tokens=512,
-        warmup_steps=50,
-        epochs=4,
-        strategy="default",
-        verbose=0,
-    )
+    options = _tiny_options(out, corpus_files, epochs=4)
     result = train(options, callbacks=[_PoisonWeights(epoch=1, batch=3)], log=lambda *_: None)
     assert result.status == "stopped: non-finite loss at epoch 2, step 4"
     assert sorted(os.listdir(out / "checkpoints")) == ["epoch-0001.weights.h5", "manifest.json"]
@@ -199,18 +196,7 @@ def test_two_workers_on_localhost_train_to_identical_weights(corpus_files, tmp_p
 def test_grad_accum_and_mixed_precision_train_through_the_trainer(
     corpus_files, tmp_path, extra, updates_per_batch
 ):
-    options = TrainingOptions(
-        out=str(tmp_path / "run"),
-        data=corpus_files,
-        preset="tiny",
-        vocab_size=300,
-        batch_tokens=512,
-        warmup_steps=50,
-        epochs=1,
-        strategy="default",
-        verbose=0,
-        **extra,
-    )
+    options = _tiny_options(tmp_path / "run", corpus_files, **extra)
     policy = keras.config.dtype_policy().name
     result = train(options, log=lambda *_: None)
     assert result.status == "finished"
@@ -290,19 +276,8 @@ def test_float16_with_loss_scaling_trains_and_resumes_on_mirrored_replicas(
     monkeypatch.setattr(setup, "compile_transformer", compile_and_record)
     out = tmp_path / "run"
     for epochs, resume in ((1, False), (2, True)):
-        options = TrainingOptions(
-            out=str(out),
-            data=corpus_files,
-            preset="tiny",
-            vocab_size=300,
-            batch_tokens=4096,
-            warmup_steps=4,
-            epochs=epochs,
-            strategy="mirrored",
-            mixed_precision=True,
-            resume=resume,
-            verbose=0,
-        )
+        changes = dict(batch_tokens=4096, warmup_steps=4, strategy="mirrored", mixed_precision=True)
+        options = _tiny_options(out, corpus_files, epochs=epochs, resume=resume, **changes)
         assert train(options, log=lambda *_: None).status == "finished"
     assert optimizers == ["LossScaleOptimizer", "LossScaleOptimizer"]
     metrics = json.loads((out / "metrics.json").read_text())
