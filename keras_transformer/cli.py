@@ -501,9 +501,7 @@ def main(argv=None):
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)  # --help and usage errors end here, before TensorFlow
     if unknown:  # reported by the command's parser, whose --help lists what it takes
-        parser.command_parsers[args.command].error(
-            f"unrecognized arguments: {' '.join(unknown)}"
-        )
+        parser.command_parsers[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     from keras_transformer.utils.checks import UserError
     from keras_transformer.utils.files import StorageError
 
