@@ -297,20 +297,6 @@ def serve_worker(spec):
         print(json.dumps(dict(seconds=timed_pass(model, dataset))), flush=True)
 
 
-def extract_tree(ref, into):
-    """The library and scripts of commit `ref`, extracted into the directory `into`."""
-    archive = subprocess.run(
-        ["git", "-C", str(harness.ROOT), "archive", ref, "keras_transformer"], capture_output=True, check=True
-    ).stdout
-    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
-    return subprocess.run(
-        ["git", "-C", str(harness.ROOT), "rev-parse", "--short", ref],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-
-
 def time_passes(models, dataset, repeats):
     """Seconds of training steps per pass over `dataset` for each model, `repeats` passes each.
 
@@ -337,7 +323,7 @@ def load_batches(count, batch_tokens, data_dir):
     corpus = kt.load_corpus("multi30k", data_dir=data_dir)
     sources, targets = corpus["train"]
     tokenizer = kt.Tokenizer.train(sources + targets, vocab_size=8000)
-    pairs = TokenizedPairs(sources, targets, tokenizer, batch_tokens=batch_tokens, max_length=128)
+    pairs = TokenizedPairs.from_texts(sources, targets, tokenizer, batch_tokens=batch_tokens, max_length=128)
     batches = [
         ({k: v.numpy() for k, v in inputs.items()}, labels.numpy())
         for inputs, labels in pairs.epoch(0, seed=0)
@@ -409,7 +395,7 @@ def main():
     if args.baseline:
         tree = Path(scratch.name) / "baseline"
         tree.mkdir()
-        baseline = f"ours batched @{extract_tree(args.baseline, tree)}"
+        baseline = f"ours batched @{harness.extract_tree(args.baseline, tree)}"
 
     rows = []
     for model_name in args.models.split(","):

@@ -121,6 +121,20 @@ def _commit():
         return None
 
 
+def extract_tree(ref, into):
+    """The library and scripts of commit `ref`, extracted into the directory `into`."""
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", ref, "keras_transformer"], capture_output=True, check=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", ref],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+
+
 def machine():
     """What a figure was measured on: CPU, SIMD flags, cores, Python and library versions, commit."""
     model, flags = _cpu()

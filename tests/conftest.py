@@ -11,6 +11,15 @@ import keras_transformer as kt
 REVERSE_VOCAB = 20
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _private_cache(tmp_path_factory):
+    """Downloads and token caches go to a temporary directory, not the user's ~/.cache (the CLI's
+    subprocesses inherit it)."""
+    import os
+
+    os.environ["KERAS_TRANSFORMER_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+
+
 class _StopAtAccuracy(keras.callbacks.Callback):
     def __init__(self, target):
         super().__init__()

@@ -201,7 +201,9 @@ def test_train_step_is_not_retraced_after_the_first_epoch(synthetic_tokenized):
     from keras_transformer.data.batching import TokenizedPairs
 
     sources, targets, tokenizer = synthetic_tokenized
-    pairs = TokenizedPairs(sources[:400], targets[:400], tokenizer, batch_tokens=512, max_length=64)
+    pairs = TokenizedPairs.from_texts(
+        sources[:400], targets[:400], tokenizer, batch_tokens=512, max_length=64
+    )
     shapes = {tuple(inputs["source_ids"].shape) for inputs, _ in pairs.epoch(0)}
     assert len(shapes) > 3  # several bucket lengths and batch sizes
     model = kt.Transformer.from_preset("tiny", vocab_size=tokenizer.vocab_size)

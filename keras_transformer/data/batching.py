@@ -1,7 +1,8 @@
 """The tf.data input pipeline: tokenized pairs, bucketed by length, batched by
 token count (the paper batches by ~25000 source and target tokens, §5.1).
 
-    pairs = TokenizedPairs(sources, targets, tokenizer, batch_tokens=4096, max_length=128)
+    pairs = TokenizedPairs.from_texts(sources, targets, tokenizer, batch_tokens=4096, max_length=128)
+    pairs = TokenizedPairs(TokenStore.cached(parallel_text, tokenizer, root), ...)  # from files
     pairs.epoch(3, seed=0)            # epoch 3's batches, in an order fixed by (seed, 3)
     pairs.epochs(3, 10, seed=0, skip=17)  # epochs 3..9 back to back, skipping 17 batches
     make_dataset(sources, targets, tokenizer)  # one epoch that reshuffles itself
@@ -11,14 +12,17 @@ labels (batch, L))`, int32, with L a multiple of `bucket_width` (at most
 `max_length`); target_ids = BOS + target, labels = target + EOS, source ends
 with EOS. Because the order of an epoch depends only on `(seed, epoch)`, a
 resumed run sees exactly the batches the interrupted one would have seen.
+The ids are read from a `TokenStore` (memory-mapped for a corpus read from
+files) as each batch is built, so memory does not grow with the corpus.
 """
 
 import dataclasses
+import itertools
 
 import numpy as np
 import tensorflow as tf
 
-from keras_transformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from keras_transformer.data.token_store import TokenStore
 
 
 @dataclasses.dataclass
@@ -31,8 +35,12 @@ class DatasetInfo:
     bucket_lengths: tuple
 
 
+CHUNK_PAIRS = 1 << 16  # pairs per chunk: an epoch visits the chunks in a shuffled order
+WINDOW_CHUNKS = 16  # chunks shuffled together (1,048,576 pairs): the shuffle's memory bound
+
+
 class TokenizedPairs:
-    """Sentence pairs tokenized once, filtered by length, ready to batch.
+    """Tokenized sentence pairs (a `TokenStore`), filtered by length, batched by token count.
 
     A pair whose source or target needs more than `max_length` ids (EOS/BOS
     included) is dropped and counted in `info.dropped`. Pairs are grouped by
@@ -40,40 +48,51 @@ class TokenizedPairs:
     L; a bucket's batches hold `batch_tokens // L` pairs, so every batch has
     one of a few shapes and `fit` traces its step a bounded number of times.
 
+    An epoch's order is computed a window at a time from the store's offsets:
+    the chunks of `CHUNK_PAIRS` pairs in an order fixed by `(seed, epoch)`,
+    `WINDOW_CHUNKS` of them at a time shuffled together (a corpus of up to
+    1,048,576 pairs is shuffled whole); each pair joins its bucket's batch, a
+    batch leaves when full, and the part-filled ones leave at the end of the
+    epoch (smallest bucket first), so the number of batches is the same every
+    epoch. Only the window's indices and the batch being built are in memory.
+
     Args:
         row_multiple: pad the batch dimension with all-padding rows (which the
             loss ignores) to a multiple of this, so that a batch splits into
             equal shares (multi-worker training slices every batch by rows).
     """
 
-    def __init__(
-        self, sources, targets, tokenizer, batch_tokens=4096, max_length=256, bucket_width=8, row_multiple=1
-    ):
+    def __init__(self, store, batch_tokens=4096, max_length=256, bucket_width=8, row_multiple=1):
         if min(batch_tokens, max_length, bucket_width, row_multiple) < 1:
             raise ValueError(
                 "batch_tokens, max_length, bucket_width and row_multiple must be positive integers."
             )
-        source_ids = tokenizer.tokenize(tf.constant(list(sources)))
-        target_ids = tokenizer.tokenize(tf.constant(list(targets)))
-        lengths = np.maximum(source_ids.row_lengths().numpy(), target_ids.row_lengths().numpy()) + 1
-        keep = lengths <= max_length
-        self.source_ids = tf.ragged.boolean_mask(source_ids, keep)
-        self.target_ids = tf.ragged.boolean_mask(target_ids, keep)
+        self.store = store
         self.bucket_width, self.max_length, self.row_multiple = bucket_width, max_length, row_multiple
         self.bucket_lengths = [
             min(b, max_length) for b in range(bucket_width, max_length + bucket_width, bucket_width)
         ]
         self.batch_sizes = [max(1, batch_tokens // length) for length in self.bucket_lengths]
-        per_bucket = np.bincount(
-            np.searchsorted(self.bucket_lengths, lengths[keep]), minlength=len(self.bucket_lengths)
-        )
-        batches = int(np.sum(-(-per_bucket // np.array(self.batch_sizes))))
+        per_bucket = np.zeros(len(self.bucket_lengths), np.int64)
+        self.target_tokens = 0  # target ids + EOS of the kept pairs: what the loss counts per epoch
+        for start in range(0, store.pairs, CHUNK_PAIRS):
+            stop = min(start + CHUNK_PAIRS, store.pairs)
+            lengths = store.lengths(start, stop)
+            keep = lengths <= max_length
+            per_bucket += np.bincount(self._buckets(lengths[keep]), minlength=len(self.bucket_lengths))
+            self.target_tokens += int(np.sum(store.side_lengths("target", start, stop)[keep] + 1))
+        examples = int(per_bucket.sum())
         self.info = DatasetInfo(
-            examples=int(keep.sum()),
-            dropped=int((~keep).sum()),
-            batches=batches,
+            examples=examples,
+            dropped=store.pairs - examples,
+            batches=int(np.sum(-(-per_bucket // np.array(self.batch_sizes)))),
             bucket_lengths=tuple(self.bucket_lengths),
         )
+
+    @classmethod
+    def from_texts(cls, sources, targets, tokenizer, **batching):
+        """Pairs of sentence lists, tokenized into memory (`TokenStore.from_texts`)."""
+        return cls(TokenStore.from_texts(sources, targets, tokenizer), **batching)
 
     def epoch(self, epoch, seed=0, skip=0):
         """One epoch of batches in the order fixed by `(seed, epoch)`, minus the first `skip`."""
@@ -81,64 +100,88 @@ class TokenizedPairs:
 
     def epochs(self, first, stop, seed=0, skip=0):
         """Epochs `first, ..., stop - 1` back to back (for `fit(steps_per_epoch=info.batches)`)."""
-        count = self.info.examples
-        source_ids, target_ids = self.source_ids, self.target_ids
 
-        def one_epoch(epoch):
-            order = tf.random.experimental.stateless_shuffle(
-                tf.range(count, dtype=tf.int64), seed=tf.stack([tf.constant(seed, tf.int64), epoch])
-            )
-            pairs = tf.data.Dataset.from_tensor_slices(order).map(lambda i: (source_ids[i], target_ids[i]))
-            return self._batch(pairs)
+        def plans():
+            batches = itertools.chain.from_iterable(self._plan(epoch, seed) for epoch in range(first, stop))
+            return itertools.islice(batches, skip, None)
 
-        dataset = tf.data.Dataset.range(first, stop).flat_map(one_epoch).skip(skip)
-        total = max(0, (stop - first) * self.info.batches - skip)
-        return dataset.apply(tf.data.experimental.assert_cardinality(total)).prefetch(tf.data.AUTOTUNE)
+        return self._dataset(plans, max(0, (stop - first) * self.info.batches - skip))
 
     def in_order(self):
         """One epoch in corpus order (for validation)."""
-        pairs = tf.data.Dataset.from_tensor_slices((self.source_ids, self.target_ids))
-        return self._with_cardinality(self._batch(pairs))
+        return self._dataset(lambda: self._plan(None, None), self.info.batches)
 
     def reshuffling(self, seed=0):
-        """One epoch that reshuffles itself on every iteration (`fit(shuffle=False)`)."""
-        pairs = tf.data.Dataset.from_tensor_slices((self.source_ids, self.target_ids))
-        pairs = pairs.shuffle(max(1, self.info.examples), seed=seed, reshuffle_each_iteration=True)
-        return self._with_cardinality(self._batch(pairs))
+        """One epoch that reshuffles itself on every iteration (`fit(shuffle=False)`): the n-th
+        iteration is epoch n's order."""
+        iterations = itertools.count()
+        return self._dataset(lambda: self._plan(next(iterations), seed), self.info.batches)
 
-    def _with_cardinality(self, dataset):
-        # The batch count is the same every epoch (each bucket holds the same
-        # pairs); declaring it lets Keras size its epochs (and TF checks it).
-        dataset = dataset.apply(tf.data.experimental.assert_cardinality(self.info.batches))
+    def _buckets(self, lengths):
+        return np.searchsorted(self.bucket_lengths, lengths)
+
+    def _plan(self, epoch, seed):
+        """Yields `(pair indices, padded length)` of the epoch's batches in order (`epoch` None:
+        corpus order)."""
+        pairs = self.store.pairs
+        chunks = np.arange(-(-pairs // CHUNK_PAIRS))
+        if epoch is not None and len(chunks) > 1:
+            chunks = chunks[_permutation(len(chunks), seed, -1 - epoch)]
+        pending = [np.zeros(0, np.int64) for _ in self.bucket_lengths]
+        for window, first in enumerate(range(0, len(chunks), WINDOW_CHUNKS)):
+            ranges = [
+                (c * CHUNK_PAIRS, min(pairs, (c + 1) * CHUNK_PAIRS))
+                for c in chunks[first : first + WINDOW_CHUNKS]
+            ]
+            indices = np.concatenate([np.arange(start, stop) for start, stop in ranges])
+            lengths = np.concatenate([self.store.lengths(start, stop) for start, stop in ranges])
+            keep = lengths <= self.max_length
+            indices, buckets = indices[keep], self._buckets(lengths[keep])
+            if epoch is not None:
+                order = _permutation(len(indices), seed, epoch + (window << 40))
+                indices, buckets = indices[order], buckets[order]
+            leaving = []  # (position of the pair that filled the batch, bucket, indices)
+            for bucket in np.unique(buckets):
+                positions = np.flatnonzero(buckets == bucket)
+                members = np.concatenate([pending[bucket], indices[positions]])
+                size, waiting = self.batch_sizes[bucket], len(pending[bucket])
+                full = len(members) // size
+                leaving += [
+                    (positions[(k + 1) * size - 1 - waiting], bucket, members[k * size : (k + 1) * size])
+                    for k in range(full)
+                ]
+                pending[bucket] = members[full * size :]
+            leaving.sort(key=lambda batch: batch[0])
+            for _, bucket, members in leaving:
+                yield members, self.bucket_lengths[bucket]
+        for bucket, members in enumerate(pending):
+            if len(members):
+                yield members, self.bucket_lengths[bucket]
+
+    def _dataset(self, plans, count):
+        """A dataset of the batches `plans()` lists, gathered from the store as they are needed."""
+        multiple = self.row_multiple
+
+        def batches():
+            for indices, length in plans():
+                rows = -(-len(indices) // multiple) * multiple
+                source, target_in, labels = self.store.batch(indices, length, rows)
+                yield {"source_ids": source, "target_ids": target_in}, labels
+
+        ids = tf.TensorSpec((None, None), tf.int32)
+        dataset = tf.data.Dataset.from_generator(
+            batches, output_signature=({"source_ids": ids, "target_ids": ids}, ids)
+        )
+        # The batch count is the same every epoch (each bucket holds the same pairs); declaring
+        # it lets Keras size its epochs (and TF checks it).
+        dataset = dataset.apply(tf.data.experimental.assert_cardinality(count))
         return dataset.prefetch(tf.data.AUTOTUNE)
 
-    def _batch(self, pairs):
-        def add_specials(source, target):
-            eos, bos = tf.constant([EOS_ID], tf.int32), tf.constant([BOS_ID], tf.int32)
-            return tf.concat([source, eos], 0), tf.concat([bos, target], 0), tf.concat([target, eos], 0)
 
-        batches = pairs.map(add_specials).bucket_by_sequence_length(
-            element_length_func=lambda source, target_in, labels: tf.maximum(
-                tf.shape(source)[0], tf.shape(labels)[0]
-            ),
-            bucket_boundaries=[length + 1 for length in self.bucket_lengths[:-1]],
-            bucket_batch_sizes=self.batch_sizes,
-            padded_shapes=([None], [None], [None]),
-            padding_values=(PAD_ID, PAD_ID, PAD_ID),
-        )
-        return batches.map(self._pad_to_bucket, num_parallel_calls=tf.data.AUTOTUNE)
-
-    def _pad_to_bucket(self, source, target_in, labels):
-        longest = tf.maximum(tf.shape(source)[1], tf.shape(labels)[1])
-        width = self.bucket_width
-        length = tf.minimum((longest + width - 1) // width * width, self.max_length)
-        rows = tf.shape(source)[0]
-        extra_rows = (self.row_multiple - rows % self.row_multiple) % self.row_multiple
-
-        def pad(ids):
-            return tf.pad(ids, [[0, extra_rows], [0, length - tf.shape(ids)[1]]], constant_values=PAD_ID)
-
-        return {"source_ids": pad(source), "target_ids": pad(target_in)}, pad(labels)
+def _permutation(count, seed, stream):
+    """A permutation of `range(count)` fixed by `(seed, stream)` (TF's stateless shuffle)."""
+    seeds = tf.constant([seed, stream], tf.int64)
+    return tf.random.experimental.stateless_shuffle(tf.range(count, dtype=tf.int64), seed=seeds).numpy()
 
 
 def make_dataset(
@@ -152,5 +195,12 @@ def make_dataset(
         `DatasetInfo`. With `shuffle`, the dataset reshuffles itself every
         epoch: call `fit(..., shuffle=False)`.
     """
-    pairs = TokenizedPairs(sources, targets, tokenizer, batch_tokens, max_length, bucket_width)
+    pairs = TokenizedPairs.from_texts(
+        sources,
+        targets,
+        tokenizer,
+        batch_tokens=batch_tokens,
+        max_length=max_length,
+        bucket_width=bucket_width,
+    )
     return (pairs.reshuffling(seed) if shuffle else pairs.in_order()), pairs.info

@@ -6,17 +6,21 @@ Multi30k EN-DE (downloaded into a cache, or read from a local copy).
     load_corpus("files:train=train.src,train.tgt;val=dev.src,dev.tgt;test=test.src,test.tgt")
     load_corpus("multi30k", data_dir="../shared/data/multi30k", source_lang="en", target_lang="de")
 
-A `Corpus` holds splits of (sources, targets) string lists. Every problem
-with the input is a `CorpusError` (a `UserError`) whose message names the
-file, the line and what to do. `batching.py` turns a split into batches for
-`model.fit` (`make_dataset`, `TokenizedPairs`).
+A `Corpus` holds splits of (sources, targets) string lists. Loaded with
+`stream=True` (as training loads it), a training split read from files is a
+`ParallelText` instead: the files are read as streams when they are used, so a
+corpus larger than memory can be trained on (`token_store.py` tokenizes it
+once into a cache on disk). Every problem with the input is a `CorpusError` (a
+`UserError`) whose message names the file, the line and what to do.
+`batching.py` turns a split into batches for `model.fit` (`make_dataset`,
+`TokenizedPairs`).
 """
 
 import dataclasses
 import gzip
-import hashlib
 import os
 import pathlib
+import random
 import shutil
 import tempfile
 import urllib.error
@@ -24,6 +28,7 @@ import urllib.request
 
 from keras_transformer.data.synthetic import SyntheticLanguagePair
 from keras_transformer.utils.checks import UserError
+from keras_transformer.utils.files import sha256_of
 
 DATASETS = ("synthetic", "multi30k", "files:SRC,TGT", "files:train=SRC,TGT;val=SRC,TGT;test=SRC,TGT")
 FILE_SPLITS = ("train", "val", "test")
@@ -53,29 +58,38 @@ class Corpus:
     target_lang: str = "tgt"
 
     @classmethod
-    def from_files(cls, train=None, val=None, test=None, source_lang="src", target_lang="tgt"):
+    def from_files(cls, train=None, val=None, test=None, source_lang="src", target_lang="tgt", stream=False):
         """A corpus read from aligned UTF-8 files: each split given is a `(source path, target
         path)` pair (`read_parallel_files`). Training needs `train` (without `val` it holds out a
-        part of it); `evaluate` reads the split it is asked for."""
+        part of it); `evaluate` reads the split it is asked for. With `stream`, the training split
+        is a `ParallelText` (checked, not read)."""
         given = {name: paths for name, paths in (("train", train), ("val", val), ("test", test)) if paths}
         if not given:
             raise CorpusError("Corpus.from_files needs at least one of train, val, test.")
-        return cls(
-            {name: read_parallel_files(*paths) for name, paths in given.items()}, source_lang, target_lang
-        )
+        splits = {
+            name: ParallelText(*paths).checked()
+            if stream and name == "train"
+            else read_parallel_files(*paths)
+            for name, paths in given.items()
+        }
+        return cls(splits, source_lang, target_lang)
 
     def train_and_validation(self, log=None):
         """`(train pairs, validation pairs)` as training uses them: the `val` split, or without one
-        the last 5% of `train` (at most 1000 pairs) held out (`log`, if given, is told so)."""
+        the last 5% of `train` (at most 1000 pairs) held out (`log`, if given, is told so). A
+        streamed training split stays a `ParallelText`; the validation pairs are lists."""
         train_pairs = self["train"]
         if "val" in self.splits:
             return train_pairs, self["val"]
-        sources, targets = train_pairs
-        held_out = max(1, min(1000, len(sources) // 20))
-        if len(sources) - held_out < 1:
-            raise CorpusError(f"The corpus has {len(sources)} pair(s): too few to train and validate.")
+        count = train_pairs.count if isinstance(train_pairs, ParallelText) else len(train_pairs[0])
+        held_out = max(1, min(1000, count // 20))
+        if count - held_out < 1:
+            raise CorpusError(f"The corpus has {count} pair(s): too few to train and validate.")
         if log is not None:
             log(f"No validation split given: holding out the last {held_out} pairs for validation.")
+        if isinstance(train_pairs, ParallelText):
+            return train_pairs.part(0, count - held_out), tuple(train_pairs.part(count - held_out, count))
+        sources, targets = train_pairs
         return (sources[:-held_out], targets[:-held_out]), (sources[-held_out:], targets[-held_out:])
 
     def validation_pairs(self):
@@ -95,16 +109,19 @@ def cache_dir():
     )
 
 
-def load_corpus(dataset, data_dir=None, source_lang="en", target_lang="de", seed=0):
-    """Loads `synthetic`, `multi30k` or `files:SRC,TGT` (see the module docstring)."""
+def load_corpus(dataset, data_dir=None, source_lang="en", target_lang="de", seed=0, stream=False):
+    """Loads `synthetic`, `multi30k` or `files:SRC,TGT` (see the module docstring). With `stream`,
+    a training split read from files is a `ParallelText` (read when used), not lists."""
     if dataset == "synthetic":
         splits = SyntheticLanguagePair().corpus(SYNTHETIC_SIZES, seed=seed)
         corpus = Corpus(splits, "en", "de")
         return corpus if (source_lang, target_lang) != ("de", "en") else _swap(corpus)
     if dataset == "multi30k":
-        return _multi30k(data_dir, source_lang, target_lang)
+        return _multi30k(data_dir, source_lang, target_lang, stream)
     if dataset.startswith("files:"):
-        return Corpus.from_files(**parse_files(dataset), source_lang=source_lang, target_lang=target_lang)
+        return Corpus.from_files(
+            **parse_files(dataset), source_lang=source_lang, target_lang=target_lang, stream=stream
+        )
     raise CorpusError(f"Unknown dataset {dataset!r}; use one of {list(DATASETS)}.")
 
 
@@ -142,22 +159,144 @@ def _swap(corpus):
     )
 
 
+def _utf8_line(raw, path, number):
+    try:
+        return raw.decode("utf-8").strip()
+    except UnicodeDecodeError as error:
+        raise CorpusError(
+            f"{path}, line {number}: not valid UTF-8 ({error.reason} at byte "
+            f"{error.start}); convert the file to UTF-8, e.g. with iconv."
+        ) from None
+
+
+def count_lines(path):
+    """The number of lines of a file as `read_lines` splits it, read in blocks (no decoding)."""
+    count, last = 0, b"\n"
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            count += block.count(b"\n")
+            last = block[-1:]
+    return count + (last != b"\n")
+
+
+class ParallelText:
+    """Aligned sentences in two UTF-8 files, line i of one translating line i of the other, read
+    as a stream: a training corpus larger than memory.
+
+    `checked()` counts both files' lines (a mismatch is a `CorpusError` naming the line without a
+    partner) without decoding them; `chunks` streams `(sources, targets)` lists, every line
+    checked as it is read; `sample` draws pairs for a vocabulary; `part` is a range of the pairs.
+    Unpacked (`sources, targets = text`), it reads the whole range into two lists.
+    """
+
+    def __init__(self, source_path, target_path, start=0, stop=None):
+        self.paths = (pathlib.Path(source_path), pathlib.Path(target_path))
+        self.start, self.stop = start, stop
+
+    def checked(self):
+        """Self, after checking that both files exist, are aligned and are not empty."""
+        for path in self.paths:
+            if not path.is_file():
+                raise CorpusError(f"{path}: no such file.")
+        counts = [count_lines(path) for path in self.paths]
+        if counts[0] != counts[1]:
+            longer = 0 if counts[0] > counts[1] else 1
+            raise CorpusError(
+                f"{self.paths[0]} has {counts[0]} lines but {self.paths[1]} has {counts[1]}: line "
+                f"{min(counts) + 1} of {self.paths[longer]} has no partner; line i of one must "
+                f"translate line i of the other."
+            )
+        if counts[0] == 0:
+            raise CorpusError(f"{self.paths[0]} / {self.paths[1]}: the corpus is empty (no non-empty line).")
+        self.stop = counts[0] if self.stop is None else min(self.stop, counts[0])
+        return self
+
+    @property
+    def count(self):
+        """The number of pairs in the range (after `checked`)."""
+        if self.stop is None:
+            self.checked()
+        return self.stop - self.start
+
+    def part(self, start, stop):
+        """Pairs `start .. stop - 1` of this range, as a `ParallelText`."""
+        return ParallelText(*self.paths, self.start + start, self.start + min(stop, self.count))
+
+    def fingerprint(self):
+        """What identifies the text: each file's absolute path, size and modification time, and
+        the range (a token cache is keyed by it)."""
+        files = [(str(path.resolve()), path.stat().st_size, path.stat().st_mtime_ns) for path in self.paths]
+        return {
+            "files": files,
+            "start": self.start,
+            "stop": self.stop if self.stop is not None else self.count,
+        }
+
+    def chunks(self, size=65536, keep=None):
+        """Yields `(sources, targets)` lists of up to `size` pairs, in order; with `keep` (sorted
+        pair numbers within the range), only those pairs. A line that is not UTF-8, or a file that
+        ends before its partner, is a `CorpusError` naming the file and the line."""
+        stop = self.count + self.start
+        wanted = iter(keep) if keep is not None else None
+        want = next(wanted, None) if wanted is not None else None
+        sources, targets, any_source, any_target = [], [], False, False
+        with open(self.paths[0], "rb") as source_file, open(self.paths[1], "rb") as target_file:
+            for number in range(1, stop + 1):
+                raw_source, raw_target = source_file.readline(), target_file.readline()
+                if not raw_source or not raw_target:
+                    ended = self.paths[0] if not raw_source else self.paths[1]
+                    other = self.paths[1] if not raw_source else self.paths[0]
+                    raise CorpusError(
+                        f"{ended} ends before line {number} but {other} goes on (was a file changed "
+                        f"while it was read?); line i of one must translate line i of the other."
+                    )
+                index = number - 1 - self.start
+                if index < 0 or (wanted is not None and index != want):
+                    continue
+                source = _utf8_line(raw_source, self.paths[0], number)
+                target = _utf8_line(raw_target, self.paths[1], number)
+                any_source, any_target = any_source or bool(source), any_target or bool(target)
+                sources.append(source)
+                targets.append(target)
+                if wanted is not None:
+                    want = next(wanted, None)
+                    if want is None:
+                        break
+                if len(sources) == size:
+                    yield sources, targets
+                    sources, targets = [], []
+        if sources:
+            yield sources, targets
+        if keep is None and not (any_source and any_target):
+            raise CorpusError(f"{self.paths[0]} / {self.paths[1]}: the corpus is empty (no non-empty line).")
+
+    def sample(self, pairs, seed=0):
+        """`(sources, targets)`: every pair when the range holds at most `pairs`, in order; else
+        `pairs` of them drawn at random (fixed by `seed`), in corpus order."""
+        if self.count <= pairs:
+            keep = None
+        else:
+            keep = sorted(random.Random(seed).sample(range(self.count), pairs))
+        sources, targets = [], []
+        for chunk_sources, chunk_targets in self.chunks(keep=keep):
+            sources += chunk_sources
+            targets += chunk_targets
+        return sources, targets
+
+    def __iter__(self):
+        return iter(self.sample(self.count))
+
+    def __repr__(self):
+        return f"ParallelText({str(self.paths[0])!r}, {str(self.paths[1])!r}, {self.start}, {self.stop})"
+
+
 def read_lines(path):
     """The lines of a UTF-8 text file, stripped; `CorpusError` on a missing or non-UTF-8 file."""
     path = pathlib.Path(path)
     if not path.is_file():
         raise CorpusError(f"{path}: no such file.")
-    lines = []
     with open(path, "rb") as handle:
-        for number, raw in enumerate(handle, start=1):
-            try:
-                lines.append(raw.decode("utf-8").strip())
-            except UnicodeDecodeError as error:
-                raise CorpusError(
-                    f"{path}, line {number}: not valid UTF-8 ({error.reason} at byte "
-                    f"{error.start}); convert the file to UTF-8, e.g. with iconv."
-                ) from None
-    return lines
+        return [_utf8_line(raw, path, number) for number, raw in enumerate(handle, start=1)]
 
 
 def read_parallel_files(source_path, target_path):
@@ -173,15 +312,7 @@ def read_parallel_files(source_path, target_path):
     return sources, targets
 
 
-def sha256(path):
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _multi30k(data_dir, source_lang, target_lang):
+def _multi30k(data_dir, source_lang, target_lang, stream=False):
     languages = {"en", "de"}
     if {source_lang, target_lang} != languages:
         raise CorpusError(
@@ -197,15 +328,16 @@ def _multi30k(data_dir, source_lang, target_lang):
                     f"{path}: missing from --data-dir; it should hold {', '.join(MULTI30K_SHA256)}."
                 )
             _download(name, path)
-        if sha256(path) != expected:
+        if sha256_of(path) != expected:
             raise CorpusError(
                 f"{path}: sha256 mismatch (expected {expected}); the file is "
                 f"corrupt or not the official Multi30k one. Delete it to download again."
             )
-    splits = {
-        split: read_parallel_files(directory / f"{name}.{source_lang}", directory / f"{name}.{target_lang}")
-        for split, name in MULTI30K_SPLITS.items()
-    }
+    splits = {}
+    for split, name in MULTI30K_SPLITS.items():
+        paths = directory / f"{name}.{source_lang}", directory / f"{name}.{target_lang}"
+        streamed = stream and split == "train"
+        splits[split] = ParallelText(*paths).checked() if streamed else read_parallel_files(*paths)
     return Corpus(splits, source_lang, target_lang)
 
 

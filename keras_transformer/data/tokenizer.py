@@ -177,6 +177,12 @@ class Tokenizer:
         strings = tf.strings.regex_replace(strings, r"\x00", " ")
         return self._ops().tokenize(strings)
 
+    def ids_in_python(self, texts):
+        """Lists of the ids of `texts` (Python strings), the ids `tokenize` gives (NUL read as a
+        space, no BOS/EOS), computed by SentencePiece outside any graph: for tokenizing a corpus
+        into a token cache (`token_store.py`)."""
+        return self.processor.encode([text.replace("\x00", " ") for text in texts])
+
     def encode(self, strings, max_length=None, add_eos=True, pad_to_max_length=True, repair_utf8=False):
         """Strings `(batch,)` -> padded int32 ids `(batch, length)` for Keras layers.
 

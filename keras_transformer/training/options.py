@@ -149,6 +149,11 @@ class TrainingOptions:
     grad_accum: int = option(
         1, "batches whose gradients make one update", parse=positive_int, defines_run=True
     )
+    token_cache: str = option(
+        help="where a corpus read from files is kept tokenized, to be reused by the next run on it "
+        "(default: token_cache in $KERAS_TRANSFORMER_CACHE, else ~/.cache/keras_transformer)",
+        metavar="DIR",
+    )
     max_minutes: float = option(
         help="time budget: stop after the last epoch that fits in it", parse=positive_float
     )

@@ -13,7 +13,8 @@ import keras
 import tensorflow as tf
 
 from keras_transformer.data.batching import TokenizedPairs
-from keras_transformer.data.corpora import load_corpus
+from keras_transformer.data.corpora import ParallelText, cache_dir, load_corpus
+from keras_transformer.data.token_store import TokenStore
 from keras_transformer.data.tokenizer import Tokenizer
 from keras_transformer.model.config import TransformerConfig
 from keras_transformer.model.transformer import Transformer
@@ -54,19 +55,31 @@ def prepare_run(run, options, log):
         _check_same_run(stored["options"], options)
     _model_config(options, options.vocab_size or DEFAULT_VOCAB_SIZE)  # the settings, before any corpus
     keras.utils.set_random_seed(options.seed)
-    corpus = load_corpus(options.data, options.data_dir, options.source_lang, options.target_lang)
+    corpus = load_corpus(
+        options.data, options.data_dir, options.source_lang, options.target_lang, stream=True
+    )
     train_pairs, val_pairs = corpus.train_and_validation(log)
     if stored is not None:
         tokenizer = run.tokenizer()
     else:
-        tokenizer = _train_tokenizer(train_pairs, options.vocab_size, log)
+        tokenizer = _train_tokenizer(train_pairs, options.vocab_size, options.seed, log)
     config = _model_config(options, tokenizer.vocab_size)
     max_length = min(options.max_length or config.max_length, config.max_length)
-    batches = TokenizedPairs(*train_pairs, tokenizer, options.batch_tokens, max_length, row_multiple=workers)
+    if isinstance(train_pairs, ParallelText):
+        store = TokenStore.cached(train_pairs, tokenizer, options.token_cache or token_cache_dir(), log)
+    else:
+        store = TokenStore.from_texts(*train_pairs, tokenizer)
+    batches = TokenizedPairs(
+        store, batch_tokens=options.batch_tokens, max_length=max_length, row_multiple=workers
+    )
     if batches.info.examples == 0:
         raise UserError(f"No training pair fits in {max_length} tokens; raise --max-length.")
-    validation = TokenizedPairs(
-        *val_pairs, tokenizer, options.batch_tokens, config.max_length, row_multiple=workers
+    validation = TokenizedPairs.from_texts(
+        *val_pairs,
+        tokenizer,
+        batch_tokens=options.batch_tokens,
+        max_length=config.max_length,
+        row_multiple=workers,
     )
 
     run.create(resume=options.resume, overwrite=options.overwrite)
@@ -124,11 +137,21 @@ def prepare_run(run, options, log):
 
 
 DEFAULT_VOCAB_SIZE = 8000
+VOCABULARY_SAMPLE_PAIRS = 300_000  # a corpus read from files trains its vocabulary on at most these
 
 
-def _train_tokenizer(train_pairs, vocab_size, log):
+def token_cache_dir():
+    """Where tokenized training corpora are kept by default: `token_cache` in the download cache."""
+    return cache_dir() / "token_cache"
+
+
+def _train_tokenizer(train_pairs, vocab_size, seed, log):
     """The shared vocabulary; an explicit size the corpus cannot support is an error, the default is
-    capped."""
+    capped. A corpus read from files is sampled: at most `VOCABULARY_SAMPLE_PAIRS` pairs."""
+    if isinstance(train_pairs, ParallelText):
+        if train_pairs.count > VOCABULARY_SAMPLE_PAIRS:
+            log(f"Vocabulary: trained on {VOCABULARY_SAMPLE_PAIRS:,} pairs drawn from {train_pairs.count:,}.")
+        train_pairs = train_pairs.sample(VOCABULARY_SAMPLE_PAIRS, seed)
     texts = train_pairs[0] + train_pairs[1]
     if vocab_size is not None:
         return Tokenizer.train(texts, vocab_size)

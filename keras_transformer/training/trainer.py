@@ -22,7 +22,6 @@ import dataclasses
 import sys
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from keras_transformer.training.callbacks import MetricsLog, NonFiniteLoss, TimeBudget, ValidationBleu
@@ -105,8 +104,7 @@ def _fit(run, options, prepared, callbacks, log):
         replicas=strategy.num_replicas_in_sync,
     )
     summary.pop("preempted_at", None)
-    target_tokens = int(np.sum(batches.target_ids.row_lengths().numpy()) + batches.info.examples)
-    metrics_log, nan_guard = MetricsLog(run, summary, target_tokens), NonFiniteLoss()
+    metrics_log, nan_guard = MetricsLog(run, summary, batches.target_tokens), NonFiniteLoss()
     state = TrainingState(run.state_dir, options.save_every_steps or max(1, steps // 4))
     tensorboard, signals = keras.callbacks.TensorBoard(str(run.logs_dir)), StopSignals(log)
     # `callbacks` first: what they add to the epoch's logs (val_bleu) reaches metrics.json and TensorBoard.
