@@ -1,6 +1,7 @@
 """Fault tolerance of `keras-transformer train`: SIGKILL and resume, NaN,
 multi-worker training over two processes."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ import keras
 import numpy as np
 import pytest
 
+import keras_transformer as kt
 from keras_transformer.training.trainer import TrainingOptions, train
 
 TINY = ["--preset", "tiny", "--vocab-size", "300", "--batch-tokens", "512", "--warmup-steps", "50"]
@@ -291,3 +293,62 @@ def test_float16_with_loss_scaling_trains_and_resumes_on_mirrored_replicas(
 
     model = keras.saving.load_model(str(out / "model.keras"), compile=False)
     assert model.encoder.compute_dtype == "float16" and all(w.dtype == "float32" for w in model.weights)
+
+
+class _ScriptedValidationLoss(keras.callbacks.Callback):
+    """Validation that goes as scripted: epoch N's val_loss is `values[N - 1]`; with `signal_after`,
+    a SIGTERM after that epoch (a preemption: the run stops at the next step with its state)."""
+
+    def __init__(self, values, signal_after=None):
+        super().__init__()
+        self.values, self.signal_after = values, signal_after
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs["val_loss"] = self.values[epoch]
+        if epoch + 1 == self.signal_after:
+            signal.raise_signal(signal.SIGTERM)
+
+
+def test_early_stopping_keeps_the_best_model_and_a_resumed_run_comes_to_the_same_decision(
+    corpus_files, tmp_path
+):
+    """Validation loss scripted 3.0, 2.0, 2.5, 1.0 with patience 1: an uninterrupted run stops after
+    epoch 3 (no gain over epoch 2) with epoch 2's model as best.keras. Preempted after epoch 2 and
+    resumed, the run must come to that decision: the best value is rebuilt from metrics.json."""
+    from keras_transformer.training.checkpoints import average_checkpoints
+
+    values, out, lines = [3.0, 2.0, 2.5, 1.0], tmp_path / "run", []
+    options = _tiny_options(out, corpus_files, epochs=4, early_stopping=1, batch_tokens=1024)
+    first = train(options, callbacks=[_ScriptedValidationLoss(values, signal_after=2)], log=lines.append)
+    assert first.status == "preempted"
+    resumed = train(
+        dataclasses.replace(options, resume=True),
+        callbacks=[_ScriptedValidationLoss(values)],
+        log=lines.append,
+    )
+    assert resumed.status == "finished" and [entry["epoch"] for entry in resumed.epochs] == [1, 2, 3]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["best"] == {"epoch": 2, "val_loss": 2.0, "model": "best.keras"}
+    assert metrics["early_stopped"] == {
+        "after_epoch": 3,
+        "metric": "val_loss",
+        "patience": 1,
+        "best_epoch": 2,
+    }
+    assert "Early stopping: val_loss has not improved in 1 measurement(s); the best, epoch 2" in lines[-2]
+    best = keras.saving.load_model(out / "best.keras", compile=False)
+    epoch_2 = kt.Transformer.from_config(best.get_config())
+    epoch_2.build()
+    average_checkpoints(epoch_2, [str(out / "checkpoints" / "epoch-0002.weights.h5")])
+    for mine, expected in zip(best.get_weights(), epoch_2.get_weights()):
+        np.testing.assert_array_equal(mine, expected)
+
+
+def test_best_metric_val_bleu_needs_val_bleu():
+    from keras_transformer.training.options import best_metric, check_options
+    from keras_transformer.utils.checks import UserError
+
+    with pytest.raises(UserError, match=r"--best-metric val_bleu needs --val-bleu N"):
+        check_options(TrainingOptions(out="r", early_stopping=3, best_metric="val_bleu"))
+    assert best_metric(TrainingOptions(out="r", val_bleu=50)) == "val_bleu"
+    assert best_metric(TrainingOptions(out="r")) == "val_loss"

@@ -1,6 +1,7 @@
 """The callbacks a training run adds to `model.fit`, one job each: stop at the first
 non-finite loss (`NonFiniteLoss`), keep to a time budget (`TimeBudget`), score greedy
-validation BLEU every epoch (`ValidationBleu`), write `metrics.json` (`MetricsLog`).
+validation BLEU every epoch (`ValidationBleu`), keep the best model and stop early
+(`BestModel`), write `metrics.json` (`MetricsLog`).
 Checkpoints and snapshots are in `checkpoints.py`, the stop at a signal in
 `preemption.py`."""
 
@@ -82,6 +83,57 @@ class ValidationBleu(keras.callbacks.Callback):
         hypotheses, _ = self.translator.translate(self.sources)
         logs["val_bleu"] = score_translations(hypotheses, self.references).bleu
         logs["val_bleu_seconds"] = time.perf_counter() - start
+
+
+BEST_METRICS = {"val_bleu": "highest", "val_loss": "lowest"}
+
+
+class BestModel(keras.callbacks.Callback):
+    """Keeps `path` (`RUN/best.keras`) as the model of the epoch with the best `metric`
+    (`val_bleu`: the highest, `val_loss`: the lowest) and, with `patience`, stops training once
+    `patience` measurements of the metric in a row bring no gain (early stopping; with
+    `--val-bleu-every K` the BLEU is measured every K epochs, and a measurement is what counts).
+
+    Its state (the best value, its epoch and the measurements since) is a function of the epochs'
+    metrics, so a resumed run rebuilds it from `metrics.json`'s finished epochs (`history`) and
+    comes to the same decision as an uninterrupted one. `summary` (what `MetricsLog` writes)
+    gets `best`: its epoch and value, and `early_stopped` when it stopped the run.
+    """
+
+    def __init__(self, path, metric, summary, patience=None, history=()):
+        super().__init__()
+        self.path, self.metric, self.summary, self.patience = path, metric, summary, patience
+        self.best, self.best_epoch, self.since, self.stopped = None, None, 0, False
+        for entry in history:
+            self._measured(entry.get(metric), entry["epoch"])
+
+    def _measured(self, value, epoch):
+        """Counts a measurement; True when it is the best so far."""
+        if value is None or not np.isfinite(value):
+            return False
+        better = self.best is None or (value > self.best if self.metric == "val_bleu" else value < self.best)
+        if better:
+            self.best, self.best_epoch, self.since = float(value), epoch, 0
+            self.summary["best"] = {"epoch": epoch, self.metric: self.best, "model": "best.keras"}
+        else:
+            self.since += 1
+        return better
+
+    def on_epoch_end(self, epoch, logs=None):
+        from keras_transformer.training.run_directory import save_model
+
+        if logs is None or not logs_are_finite(logs):
+            return
+        if self._measured(logs.get(self.metric), epoch + 1):
+            save_model(self.model, self.path)
+        elif self.patience and self.since >= self.patience:
+            self.stopped = self.model.stop_training = True
+            self.summary["early_stopped"] = {
+                "after_epoch": epoch + 1,
+                "metric": self.metric,
+                "patience": self.patience,
+                "best_epoch": self.best_epoch,
+            }
 
 
 class MetricsLog(keras.callbacks.Callback):

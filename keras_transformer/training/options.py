@@ -172,6 +172,19 @@ class TrainingOptions:
     val_bleu_every: int = option(
         1, "with --val-bleu: measure it every N epochs (and after the last)", parse=positive_int
     )
+    early_stopping: int = option(
+        help="stop after N measurements of --best-metric in a row without a gain (default: off); "
+        "keeps RUN/best.keras",
+        parse=positive_int,
+        metavar="PATIENCE",
+    )
+    best_metric: str = option(
+        help="what --early-stopping and --keep-best compare: val_bleu (needs --val-bleu N) or "
+        "val_loss (default: val_bleu when --val-bleu is on, else val_loss)",
+        choices=("val_bleu", "val_loss"),
+        metavar="METRIC",
+    )
+    keep_best: bool = option(False, "keep RUN/best.keras, the model of the epoch with the best --best-metric")
     save_every_steps: int = option(
         help="save the resumable state this often (default: 4 times per epoch)", parse=positive_int
     )
@@ -187,6 +200,11 @@ FIELDS = {field.name: field for field in dataclasses.fields(TrainingOptions)}
 
 # Settings that define the run: a resumed run must be given the same ones.
 RUN_DEFINING = tuple(name for name, field in FIELDS.items() if field.metadata["defines_run"])
+
+
+def best_metric(options):
+    """The metric `--early-stopping` and `--keep-best` compare (`--best-metric` or its default)."""
+    return options.best_metric or ("val_bleu" if options.val_bleu else "val_loss")
 
 
 def flag(name):
@@ -211,6 +229,8 @@ def check_options(options):
         )
     if not (isinstance(options.label_smoothing, (int, float)) and 0 <= options.label_smoothing < 1):
         raise UserError(f"--label-smoothing must be in [0, 1); got {options.label_smoothing!r}.")
+    if options.best_metric == "val_bleu" and not options.val_bleu:
+        raise UserError("--best-metric val_bleu needs --val-bleu N (how many validation pairs to translate).")
     if options.average_last is not None and options.average_last > options.keep_checkpoints:
         raise UserError(
             f"--average-last {options.average_last} needs at least that many epoch checkpoints; raise "

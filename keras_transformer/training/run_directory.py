@@ -12,6 +12,8 @@ commands read.
       model.keras           the final model (only once training finished)
       averaged.keras        the mean of the last N epoch checkpoints (`train
                             --average-last N`, or `keras-transformer average`)
+      best.keras            the model of the epoch with the best validation BLEU or
+                            loss (`train --keep-best` or `--early-stopping N`)
 
 Every file is written atomically (temporary name + rename). A directory
 appears only once the input has been checked, so a run that fails on bad
@@ -46,6 +48,7 @@ class RunDirectory:
         self.curve_path = self.path / "learning_curve.png"
         self.model_path = self.path / "model.keras"
         self.averaged_path = self.path / "averaged.keras"
+        self.best_path = self.path / "best.keras"
         self.lock = WriterLock(self.path)
 
     def exists(self):

@@ -24,7 +24,13 @@ import sys
 import keras
 import tensorflow as tf
 
-from keras_transformer.training.callbacks import MetricsLog, NonFiniteLoss, TimeBudget, ValidationBleu
+from keras_transformer.training.callbacks import (
+    BestModel,
+    MetricsLog,
+    NonFiniteLoss,
+    TimeBudget,
+    ValidationBleu,
+)
 from keras_transformer.training.checkpoints import (
     CHECKPOINT_PATTERN,
     EpochCheckpoints,
@@ -34,6 +40,7 @@ from keras_transformer.training.checkpoints import (
 from keras_transformer.training.options import (  # noqa: F401  (TrainingOptions: re-exported, the argument of train)
     RUN_DEFINING,
     TrainingOptions,
+    best_metric,
     check_options,
 )
 from keras_transformer.training.preemption import Preempted, StopAtStepBoundary, StopSignals
@@ -83,19 +90,25 @@ def _train(run, options, callbacks, log):
                 sources, references, prepared.tokenizer, every=options.val_bleu_every, last=options.epochs
             ),
         )
-    return _fit(run, options, prepared, extra, log)
+    summary = (
+        run.read_json(run.metrics_path)
+        if run.metrics_path.exists()
+        else {"epochs": [], "parameters": prepared.model.count_params()}
+    )
+    summary.pop("early_stopped", None)  # a finished run resumed for more epochs goes on
+    best = None
+    if options.early_stopping or options.keep_best:
+        finished = [entry for entry in summary["epochs"] if entry["epoch"] <= prepared.epoch]
+        best = BestModel(run.best_path, best_metric(options), summary, options.early_stopping, finished)
+        extra.append(best)  # after ValidationBleu, whose val_bleu it compares
+    return _fit(run, options, prepared, summary, extra, log, best)
 
 
-def _fit(run, options, prepared, callbacks, log):
+def _fit(run, options, prepared, summary, callbacks, log, best=None):
     """`model.fit` over the remaining epochs with the run's callbacks; a `TrainingResult`."""
     model, batches, strategy = prepared.model, prepared.batches, prepared.strategy
     epoch, step, workers = prepared.epoch, prepared.step, prepared.workers
     steps = batches.info.batches
-    summary = (
-        run.read_json(run.metrics_path)
-        if run.metrics_path.exists()
-        else {"epochs": [], "parameters": model.count_params()}
-    )
     summary.update(
         status="running",
         examples=batches.info.examples,
@@ -152,6 +165,11 @@ def _fit(run, options, prepared, callbacks, log):
         except Preempted as stop:
             tensorboard.on_train_end()  # `fit` did not get there: close its event files
             return _preempted(run, model, summary, metrics_log, stop, log)
+    if best is not None and best.stopped:
+        log(
+            f"Early stopping: {best.metric} has not improved in {best.patience} measurement(s); the "
+            f"best, epoch {best.best_epoch} ({best.metric} {best.best:.4g}), is {run.best_path}."
+        )
     return _finish(run, model, summary, metrics_log, nan_guard, log, options.average_last)
 
 
