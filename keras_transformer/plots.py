@@ -15,32 +15,35 @@ def _pyplot():
     return pyplot
 
 
-def plot_learning_curve(epochs, path):
+def plot_learning_curve(epochs, path, by_step=False):
     """Loss and token accuracy per epoch (train and validation), and the
     validation BLEU when the run measured it (`train --val-bleu N`), as a PNG.
 
     Args:
         epochs: the `metrics.json` entries, dicts with `epoch`, `loss`,
             `token_accuracy` and optionally `val_loss`, `val_token_accuracy`,
-            `val_bleu`.
+            `val_bleu`, `optimizer_steps`.
         path: where the PNG goes.
+        by_step: the x axis is the optimizer's updates (`optimizer_steps`), as
+            for a run validated every N updates (`train --val-every-steps N`).
     """
     pyplot = _pyplot()
-    bleu = [(entry["epoch"], entry["val_bleu"]) for entry in epochs if entry.get("val_bleu") is not None]
+    x_key, x_label = ("optimizer_steps", "update") if by_step else ("epoch", "epoch")
+    bleu = [(entry[x_key], entry["val_bleu"]) for entry in epochs if entry.get("val_bleu") is not None]
     figure, axes = pyplot.subplots(1, 3 if bleu else 2, figsize=(15 if bleu else 10, 4))
     if bleu:
         axes[2].plot(*zip(*bleu), "--s", color="tab:orange", label="val (greedy)")
-        axes[2].set_xlabel("epoch")
+        axes[2].set_xlabel(x_label)
         axes[2].set_title("BLEU")
         axes[2].grid(alpha=0.3)
         axes[2].legend()
-    numbers = [entry["epoch"] for entry in epochs]
+    numbers = [entry[x_key] for entry in epochs]
     for key, axis in (("loss", axes[0]), ("token_accuracy", axes[1])):
         for prefix, style in (("", "-o"), ("val_", "--s")):
             values = [entry.get(prefix + key) for entry in epochs]
             if all(value is not None for value in values):
                 axis.plot(numbers, values, style, label=(prefix or "train_").rstrip("_"))
-        axis.set_xlabel("epoch")
+        axis.set_xlabel(x_label)
         axis.set_title(key.replace("_", " "))
         axis.grid(alpha=0.3)
         axis.legend()

@@ -312,13 +312,16 @@ class _ScriptedValidationLoss(keras.callbacks.Callback):
 def test_early_stopping_keeps_the_best_model_and_a_resumed_run_comes_to_the_same_decision(
     corpus_files, tmp_path
 ):
-    """Validation loss scripted 3.0, 2.0, 2.5, 1.0 with patience 1: an uninterrupted run stops after
-    epoch 3 (no gain over epoch 2) with epoch 2's model as best.keras. Preempted after epoch 2 and
-    resumed, the run must come to that decision: the best value is rebuilt from metrics.json."""
+    """Validation every 3 updates, its loss scripted 3.0, 2.0, 2.5, 1.0, patience 1: an uninterrupted
+    run stops after the third validation (no gain over the second) with the second's model as
+    best.keras. Preempted after the second and resumed, the run must come to that decision: the
+    best value is rebuilt from metrics.json."""
     from keras_transformer.training.checkpoints import average_checkpoints
 
     values, out, lines = [3.0, 2.0, 2.5, 1.0], tmp_path / "run", []
-    options = _tiny_options(out, corpus_files, epochs=4, early_stopping=1, batch_tokens=1024)
+    options = _tiny_options(
+        out, corpus_files, steps=12, val_every_steps=3, early_stopping=1, batch_tokens=1024
+    )
     first = train(options, callbacks=[_ScriptedValidationLoss(values, signal_after=2)], log=lines.append)
     assert first.status == "preempted"
     resumed = train(
@@ -352,3 +355,43 @@ def test_best_metric_val_bleu_needs_val_bleu():
         check_options(TrainingOptions(out="r", early_stopping=3, best_metric="val_bleu"))
     assert best_metric(TrainingOptions(out="r", val_bleu=50)) == "val_bleu"
     assert best_metric(TrainingOptions(out="r")) == "val_loss"
+
+
+def test_training_intervals_count_updates_and_end_with_a_short_one():
+    from keras_transformer.training.trainer import training_intervals
+
+    assert training_intervals(TrainingOptions(out="r", epochs=3), 12) == (12, [12, 12, 12])
+    assert training_intervals(TrainingOptions(out="r", steps=14, val_every_steps=5), 12) == (5, [5, 5, 4])
+    accumulated = TrainingOptions(out="r", steps=4, val_every_steps=2, grad_accum=3)  # batches
+    assert training_intervals(accumulated, 12) == (6, [6, 6])
+    assert training_intervals(TrainingOptions(out="r", epochs=2, val_every_steps=5), 12) == (5, [5] * 4 + [4])
+
+
+class _SignalAtBatch(keras.callbacks.Callback):
+    """A SIGTERM after the run's `at`-th batch (counted over the whole run)."""
+
+    def __init__(self, at):
+        super().__init__()
+        self.at, self.seen = at, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen += 1
+        if self.seen == self.at:
+            signal.raise_signal(signal.SIGTERM)
+
+
+def test_steps_and_val_every_steps_resume_mid_interval_to_the_uninterrupted_weights(corpus_files, tmp_path):
+    """--steps 14 --val-every-steps 5 on a corpus of 12-13 batches an epoch: intervals of 5, 5 and 4
+    updates that cross the data's epoch boundary; preempted at update 7 and resumed, the run ends
+    with the weights of an uninterrupted one."""
+    settings = dict(steps=14, val_every_steps=5, batch_tokens=1024, epochs=1)
+    whole = train(_tiny_options(tmp_path / "whole", corpus_files, **settings), log=lambda line: None)
+    assert whole.status == "finished"
+    assert [entry["optimizer_steps"] for entry in whole.epochs] == [5, 10, 14]
+    assert all("val_loss" in entry for entry in whole.epochs)
+    options = _tiny_options(tmp_path / "parts", corpus_files, **settings)
+    assert train(options, callbacks=[_SignalAtBatch(7)], log=lambda line: None).status == "preempted"
+    resumed = train(dataclasses.replace(options, resume=True), log=lambda line: None)
+    assert [entry["optimizer_steps"] for entry in resumed.epochs] == [5, 10, 14]
+    for mine, expected in zip(resumed.model.get_weights(), whole.model.get_weights()):
+        np.testing.assert_allclose(mine, expected, atol=1e-6)

@@ -100,12 +100,21 @@ class TokenizedPairs:
 
     def epochs(self, first, stop, seed=0, skip=0):
         """Epochs `first, ..., stop - 1` back to back (for `fit(steps_per_epoch=info.batches)`)."""
+        return self.stream(
+            first * self.info.batches + skip, max(0, (stop - first) * self.info.batches - skip), seed
+        )
+
+    def stream(self, start, count, seed=0):
+        """`count` batches from batch `start` of the stream of every epoch back to back (epoch e's
+        batches are numbers `e * info.batches ...`): training counted in steps."""
+        per_epoch = self.info.batches
+        first, stop = start // per_epoch, -(-(start + count) // per_epoch)
 
         def plans():
             batches = itertools.chain.from_iterable(self._plan(epoch, seed) for epoch in range(first, stop))
-            return itertools.islice(batches, skip, None)
+            return itertools.islice(batches, start - first * per_epoch, start - first * per_epoch + count)
 
-        return self._dataset(plans, max(0, (stop - first) * self.info.batches - skip))
+        return self._dataset(plans, count)
 
     def in_order(self):
         """One epoch in corpus order (for validation)."""

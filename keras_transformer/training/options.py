@@ -106,7 +106,18 @@ class TrainingOptions:
         parse=positive_int,
         defines_run=True,
     )
-    epochs: int = option(10, "training epochs", parse=positive_int)
+    epochs: int = option(10, "training epochs (passes over the training pairs)", parse=positive_int)
+    steps: int = option(
+        help="train this many updates in all instead of --epochs (an update is --grad-accum batches)",
+        parse=positive_int,
+    )
+    val_every_steps: int = option(
+        help="validate, checkpoint and log metrics.json every N updates instead of every epoch "
+        "(an 'epoch' in metrics.json, checkpoints/ and --val-bleu-every is then N updates)",
+        parse=positive_int,
+        metavar="N",
+        defines_run=True,
+    )
     batch_tokens: int = option(
         4096, "tokens per batch, source or target (the paper: ~25000)", parse=positive_int, defines_run=True
     )

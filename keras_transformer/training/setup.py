@@ -167,12 +167,18 @@ def _train_tokenizer(train_pairs, vocab_size, seed, log):
 def _warn_if_warmup_outlasts_the_run(options, batches_per_epoch, log):
     """A warning when the learning rate would still be warming up at the run's last update: it
     then never leaves its first small values, and a short run learns next to nothing."""
-    updates = options.epochs * max(1, batches_per_epoch // options.grad_accum)
+    if options.steps:
+        updates, length = options.steps, f"--steps {options.steps}"
+    else:
+        updates = options.epochs * max(1, batches_per_epoch // options.grad_accum)
+        length = (
+            f"{options.epochs} epoch(s) of {batches_per_epoch} batches"
+            f"{f' / --grad-accum {options.grad_accum}' if options.grad_accum > 1 else ''}"
+        )
     if options.warmup_steps >= updates:
         log(
             f"Warning: --warmup-steps {options.warmup_steps} is longer than the whole run ({updates:,} "
-            f"updates: {options.epochs} epoch(s) of {batches_per_epoch} batches"
-            f"{f' / --grad-accum {options.grad_accum}' if options.grad_accum > 1 else ''}); the "
+            f"updates: {length}); the "
             f"learning rate never reaches its peak and the model may translate nothing. Give a "
             f"--warmup-steps well under {updates:,} (the demo: 400 of 1,130) or more --epochs."
         )

@@ -87,7 +87,11 @@ def _train(run, options, callbacks, log):
         extra.insert(
             0,
             ValidationBleu(
-                sources, references, prepared.tokenizer, every=options.val_bleu_every, last=options.epochs
+                sources,
+                references,
+                prepared.tokenizer,
+                every=options.val_bleu_every,
+                last=len(training_intervals(options, prepared.batches.info.batches)[1]),
             ),
         )
     summary = (
@@ -105,21 +109,33 @@ def _train(run, options, callbacks, log):
 
 
 def _fit(run, options, prepared, summary, callbacks, log, best=None):
-    """`model.fit` over the remaining epochs with the run's callbacks; a `TrainingResult`."""
+    """`model.fit` over the remaining epochs with the run's callbacks; a `TrainingResult`.
+
+    The batches are one stream, the data's epochs back to back (`TokenizedPairs.stream`); what
+    Keras calls an epoch is an *interval* of it: a data epoch, or `--val-every-steps` updates.
+    Validation, epoch checkpoints and metrics.json's entries come once per interval; `--steps`
+    ends the run after that many updates (the last interval may be shorter).
+    """
     model, batches, strategy = prepared.model, prepared.batches, prepared.strategy
     epoch, step, workers = prepared.epoch, prepared.step, prepared.workers
-    steps = batches.info.batches
+    interval, lengths = training_intervals(options, batches.info.batches)
     summary.update(
         status="running",
         examples=batches.info.examples,
         dropped=batches.info.dropped,
-        batches_per_epoch=steps,
+        batches_per_epoch=batches.info.batches,
+        batches_per_interval=interval,
         replicas=strategy.num_replicas_in_sync,
     )
     summary.pop("preempted_at", None)
-    metrics_log, nan_guard = MetricsLog(run, summary, batches.target_tokens), NonFiniteLoss()
-    state = TrainingState(run.state_dir, options.save_every_steps or max(1, steps // 4))
-    tensorboard, signals = keras.callbacks.TensorBoard(str(run.logs_dir)), StopSignals(log)
+    tokens_per_interval = batches.target_tokens * interval / batches.info.batches
+    metrics_log, nan_guard = MetricsLog(run, summary, tokens_per_interval), NonFiniteLoss()
+    state = TrainingState(run.state_dir, options.save_every_steps or max(1, interval // 4))
+    # With --val-every-steps, TensorBoard also gets the training metrics by update, every N updates.
+    tensorboard = keras.callbacks.TensorBoard(
+        str(run.logs_dir), update_freq=options.val_every_steps or "epoch"
+    )
+    signals = StopSignals(log)
     # `callbacks` first: what they add to the epoch's logs (val_bleu) reaches metrics.json and TensorBoard.
     all_callbacks = [
         nan_guard,
@@ -135,26 +151,32 @@ def _fit(run, options, prepared, summary, callbacks, log, best=None):
     all_callbacks.append(StopAtStepBoundary(signals, state))  # last: the others have seen the batch
     verbose = options.verbose if options.verbose is not None else (1 if sys.stdout.isatty() else 2)
     validation_data = _distribute(prepared.validation.in_order(), workers)
-    segments = []
-    if step and epoch < options.epochs:  # finish the interrupted epoch first
-        segments.append((epoch, epoch + 1, step))
+    segments = []  # (first interval, stop, batches of the first already trained, batches per interval)
+    if step and epoch < len(lengths):  # finish the interrupted interval first
+        segments.append((epoch, epoch + 1, step, lengths[epoch]))
         epoch += 1
-    if epoch < options.epochs and not (options.max_minutes and spent >= 60 * options.max_minutes):
-        segments.append((epoch, options.epochs, 0))  # (a resumed run may have used its budget)
+    if not (
+        options.max_minutes and spent >= 60 * options.max_minutes
+    ):  # (a resumed run's budget may be used)
+        while epoch < len(lengths):  # runs of intervals of one length: full ones, then a short last one
+            stop = epoch + lengths[epoch:].count(lengths[epoch])
+            segments.append((epoch, stop, 0, lengths[epoch]))
+            epoch = stop
     with signals:
         try:
-            for first, stop, skip in segments:
+            for first, stop, skip, length in segments:
                 if signals.requested:
                     raise Preempted(signals.requested, first, skip)
                 metrics_log.first_step = state.first_step = skip
-                metrics_log.steps_per_epoch = steps
-                dataset = _distribute(batches.epochs(first, stop, options.seed, skip), workers)
-                # A skipping segment is one epoch long, so `steps - skip` is its length.
+                metrics_log.steps_per_epoch = length
+                start = first * interval + skip
+                dataset = batches.stream(start, (stop - first) * length - skip, options.seed)
+                # A skipping segment is one interval long, so `length - skip` is its length.
                 model.fit(
-                    dataset,
+                    _distribute(dataset, workers),
                     initial_epoch=first,
                     epochs=stop,
-                    steps_per_epoch=steps - skip,
+                    steps_per_epoch=length - skip,
                     validation_data=validation_data,
                     shuffle=False,
                     verbose=verbose,
@@ -170,7 +192,19 @@ def _fit(run, options, prepared, summary, callbacks, log, best=None):
             f"Early stopping: {best.metric} has not improved in {best.patience} measurement(s); the "
             f"best, epoch {best.best_epoch} ({best.metric} {best.best:.4g}), is {run.best_path}."
         )
-    return _finish(run, model, summary, metrics_log, nan_guard, log, options.average_last)
+    by_step = bool(options.val_every_steps)
+    return _finish(run, model, summary, metrics_log, nan_guard, log, options.average_last, by_step)
+
+
+def training_intervals(options, batches_per_epoch):
+    """`(batches per interval, [batches of each interval])` of a run: intervals of a data epoch, or
+    of `--val-every-steps` updates, over `--epochs` data epochs or `--steps` updates (updates are
+    `--grad-accum` batches each)."""
+    accumulate = options.grad_accum
+    interval = options.val_every_steps * accumulate if options.val_every_steps else batches_per_epoch
+    total = options.steps * accumulate if options.steps else options.epochs * batches_per_epoch
+    full, rest = divmod(total, interval)
+    return interval, [interval] * full + ([rest] if rest else [])
 
 
 def _preempted(run, model, summary, metrics_log, stop, log):
@@ -184,7 +218,7 @@ def _preempted(run, model, summary, metrics_log, stop, log):
     return TrainingResult("preempted", run, summary["epochs"], model)
 
 
-def _finish(run, model, summary, metrics_log, nan_guard, log, average_last=None):
+def _finish(run, model, summary, metrics_log, nan_guard, log, average_last=None, by_step=False):
     from keras_transformer.plots import plot_learning_curve
     from keras_transformer.training.run_directory import average_last_checkpoints
 
@@ -215,7 +249,7 @@ def _finish(run, model, summary, metrics_log, nan_guard, log, average_last=None)
     summary["status"] = "finished"
     metrics_log.write()
     if summary["epochs"]:
-        plot_learning_curve(summary["epochs"], run.curve_path)
+        plot_learning_curve(summary["epochs"], run.curve_path, by_step)
     log(f"Finished; the model is in {run.model_path}{averaged}, metrics in {run.metrics_path}.")
     return TrainingResult("finished", run, summary["epochs"], model)
 
