@@ -395,3 +395,89 @@ def test_steps_and_val_every_steps_resume_mid_interval_to_the_uninterrupted_weig
     assert [entry["optimizer_steps"] for entry in resumed.epochs] == [5, 10, 14]
     for mine, expected in zip(resumed.model.get_weights(), whole.model.get_weights()):
         np.testing.assert_allclose(mine, expected, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def source_run(corpus_files, tmp_path_factory):
+    """A run directory as `train` leaves it (run.json, tokenizer.model, model.keras) holding an
+    untrained tiny model: what `--init-from` starts from."""
+    from keras_transformer.data.corpora import load_corpus
+    from keras_transformer.training.run_directory import RunDirectory, save_model
+
+    run = RunDirectory(tmp_path_factory.mktemp("source") / "run")
+    run.path.mkdir()
+    sources, targets = load_corpus(corpus_files)["train"]
+    tokenizer = kt.Tokenizer.train(sources + targets, vocab_size=300)
+    tokenizer.save(run.tokenizer_path)
+    model = kt.Transformer.from_preset("tiny", vocab_size=tokenizer.vocab_size)
+    run.write_json(run.settings_path, {"options": {}, "model": model.config.to_dict()})
+    save_model(model, run.model_path)
+    return run
+
+
+def test_init_from_fine_tunes_a_trained_model_with_its_vocabulary_and_frozen_parts(
+    source_run, corpus_files, tmp_path
+):
+    source = kt.load_model(source_run.path)
+    options = _tiny_options(
+        tmp_path / "tuned",
+        corpus_files,
+        init_from=str(source_run.path),
+        freeze=["embeddings"],
+        steps=3,
+        vocab_size=None,
+        preset="small",
+        overrides={"dropout_rate": 0.3},
+    )
+    lines = []
+    result = train(options, log=lines.append)
+    assert result.status == "finished"
+    assert any(line.startswith(f"Initialized from {source_run.model_path}") for line in lines)
+    assert (tmp_path / "tuned" / "tokenizer.model").read_bytes() == source_run.tokenizer_path.read_bytes()
+    tuned = result.model
+    assert tuned.config.d_model == source.config.d_model and tuned.config.dropout_rate == 0.3  # not "small"
+    np.testing.assert_array_equal(  # frozen: the source's weights, not a fresh initialization
+        tuned.token_embedding.get_weights()[0], source.token_embedding.get_weights()[0]
+    )
+    moved = [
+        not np.array_equal(mine, theirs)
+        for mine, theirs in zip(tuned.encoder.get_weights(), source.encoder.get_weights())
+    ]
+    assert any(moved)  # trained from the source's weights
+
+
+def test_init_from_and_tokenizer_mistakes_are_one_line_before_the_corpus_is_read(source_run, tmp_path):
+    import sentencepiece
+
+    from keras_transformer.utils.checks import UserError
+
+    missing_corpus = "files:/nonexistent/a.src,/nonexistent/a.tgt"  # never reached
+    other = tmp_path / "other.model"
+    kt.Tokenizer.train(["a b c d e f g h"] * 50, vocab_size=270).save(other)
+    sentencepiece.SentencePieceTrainer.train(  # SentencePiece's own default ids: <unk> 0, <s> 1, </s> 2
+        sentence_iterator=iter(["x y z w"] * 50),
+        model_prefix=str(tmp_path / "default_ids"),
+        vocab_size=9,
+        minloglevel=2,
+    )
+    cases = [
+        (dict(init_from=str(source_run.path), tokenizer=str(other)), r"is not the vocabulary of --init-from"),
+        (
+            dict(init_from=str(source_run.path), vocab_size=500),
+            r"--vocab-size 500, but --init-from .* 3\d\d pieces",
+        ),
+        (dict(init_from=str(tmp_path / "none")), r"is not a run directory"),
+        (
+            dict(tokenizer=str(tmp_path / "default_ids.model")),
+            r"<pad> -1, <unk> 0, <s> 1, </s> 2; .* 0, 1, 2, 3",
+        ),
+        (
+            dict(tokenizer=str(tmp_path / "absent.model")),
+            r"--tokenizer .*absent.model: not a SentencePiece model",
+        ),
+        (dict(freeze=["decoder"]), r"--freeze must be some of embeddings, encoder"),
+    ]
+    for changes, message in cases:
+        with pytest.raises(UserError, match=message):
+            train(_tiny_options(tmp_path / "run", missing_corpus, **{"vocab_size": None, **changes}))
+        assert not (tmp_path / "run").exists()

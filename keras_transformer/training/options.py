@@ -11,8 +11,8 @@ its parser).
 import dataclasses
 
 from keras_transformer.utils.arguments import (
-    Number,
     non_negative_int,
+    parts_of,
     positive_float,
     positive_int,
     setting,
@@ -104,6 +104,25 @@ class TrainingOptions:
         help="shared SentencePiece vocabulary (default 8000, or as many pieces as the corpus "
         "supports if fewer)",
         parse=positive_int,
+        defines_run=True,
+    )
+    init_from: str = option(
+        help="fine-tune: start from this trained model (a run directory or a .keras file in one), "
+        "with its vocabulary and architecture, a fresh optimizer and schedule",
+        metavar="RUN_OR_KERAS",
+        defines_run=True,
+    )
+    freeze: list = option(
+        help="keep these parts of the model fixed: embeddings, encoder or embeddings,encoder "
+        "(tied embeddings freeze the output projection too)",
+        parse=parts_of("embeddings", "encoder"),
+        metavar="PARTS",
+        defines_run=True,
+    )
+    tokenizer: str = option(
+        help="use this SentencePiece model instead of training one (special ids <pad> 0, <unk> 1, "
+        "<s> 2, </s> 3)",
+        metavar="FILE.model",
         defines_run=True,
     )
     epochs: int = option(10, "training epochs (passes over the training pairs)", parse=positive_int)
@@ -229,7 +248,7 @@ def check_options(options):
         value, parse, choices = getattr(options, name), field.metadata["parse"], field.metadata["choices"]
         if value is None and field.default is None:  # an optional setting left unset
             continue
-        if isinstance(parse, Number) and not parse.accepts(value):
+        if hasattr(parse, "accepts") and not parse.accepts(value):
             raise UserError(f"{flag(name)} must be {parse.description}; got {value!r}.")
         if choices and value not in choices:
             raise UserError(f"{flag(name)} must be one of {list(choices)}; got {value!r}.")

@@ -54,6 +54,11 @@ def prepare_run(run, options, log):
     if stored is not None:
         _check_same_run(stored["options"], options)
     _model_config(options, options.vocab_size or DEFAULT_VOCAB_SIZE)  # the settings, before any corpus
+    initial = given_tokenizer = None
+    if options.tokenizer:
+        given_tokenizer = load_tokenizer(options.tokenizer, options.vocab_size)
+    if options.init_from and stored is None:
+        initial = InitialModel(options, given_tokenizer)
     keras.utils.set_random_seed(options.seed)
     corpus = load_corpus(
         options.data, options.data_dir, options.source_lang, options.target_lang, stream=True
@@ -61,9 +66,18 @@ def prepare_run(run, options, log):
     train_pairs, val_pairs = corpus.train_and_validation(log)
     if stored is not None:
         tokenizer = run.tokenizer()
+    elif initial is not None:
+        tokenizer = initial.tokenizer
+    elif given_tokenizer is not None:
+        tokenizer = given_tokenizer
     else:
         tokenizer = _train_tokenizer(train_pairs, options.vocab_size, options.seed, log)
-    config = _model_config(options, tokenizer.vocab_size)
+    if initial is not None:
+        config = initial.config
+    elif stored is not None and stored["options"].get("init_from"):
+        config = TransformerConfig.from_dict(stored["model"])
+    else:
+        config = _model_config(options, tokenizer.vocab_size)
     max_length = min(options.max_length or config.max_length, config.max_length)
     if isinstance(train_pairs, ParallelText):
         store = TokenStore.cached(train_pairs, tokenizer, options.token_cache or token_cache_dir(), log)
@@ -113,6 +127,9 @@ def prepare_run(run, options, log):
         with strategy.scope():
             model = Transformer(config)
             model.build()
+            if initial is not None:
+                initial.load_into(model, log)
+            freeze(model, options.freeze)
             compile_transformer(
                 model,
                 options.label_smoothing,
@@ -134,6 +151,88 @@ def prepare_run(run, options, log):
         restore_latest(model, run.state_dir, run.checkpoints_dir, log) if stored is not None else (0, 0)
     )
     return PreparedRun(strategy, workers, model, tokenizer, batches, validation, val_pairs, epoch, step)
+
+
+class InitialModel:
+    """`--init-from RUN_OR_KERAS`: the trained model a new run starts from (fine-tuning), with its
+    tokenizer and architecture (`--set` may change what does not change a weight's shape, such as
+    dropout_rate); checked before the corpus is read."""
+
+    def __init__(self, options, given_tokenizer=None):
+        from keras_transformer.training.run_directory import resolve_model
+
+        self.run, self.path = resolve_model(options.init_from)
+        self.tokenizer = self.run.tokenizer()
+        if given_tokenizer is not None and given_tokenizer.model_proto != self.tokenizer.model_proto:
+            raise UserError(
+                f"--tokenizer {options.tokenizer} is not the vocabulary of --init-from {options.init_from} "
+                f"({given_tokenizer.vocab_size} vs {self.tokenizer.vocab_size} pieces, or other pieces); a "
+                f"fine-tuned model keeps its own vocabulary: leave --tokenizer out."
+            )
+        if options.vocab_size and options.vocab_size != self.tokenizer.vocab_size:
+            raise UserError(
+                f"--vocab-size {options.vocab_size}, but --init-from {options.init_from} has a vocabulary of "
+                f"{self.tokenizer.vocab_size} pieces; leave --vocab-size out."
+            )
+        try:
+            self.config = TransformerConfig.from_dict(self.run.settings()["model"]).replace(
+                **options.overrides
+            )
+        except (TypeError, ValueError) as error:
+            raise UserError(f"Invalid --set for --init-from {options.init_from}: {error}") from None
+
+    def load_into(self, model, log):
+        from keras_transformer.training.run_directory import load_model
+
+        source = load_model(self.path)
+        try:
+            model.set_weights(source.get_weights())
+        except ValueError as error:
+            raise UserError(
+                f"--init-from {self.path}: its weights do not fit the model --set makes ({error}); "
+                f"change only settings that keep the shapes (e.g. dropout_rate)."
+            ) from None
+        log(
+            f"Initialized from {self.path} ({source.count_params():,} parameters); a fresh optimizer "
+            f"and schedule."
+        )
+
+
+FREEZABLE = ("embeddings", "encoder")
+
+
+def freeze(model, parts):
+    """Makes `parts` (`--freeze`: embeddings, encoder) of `model` untrainable, before it is compiled.
+    With tied embeddings, freezing them freezes the output projection too."""
+    for part in parts or ():
+        layers = [model.source_embedding, model.target_embedding] if part == "embeddings" else [model.encoder]
+        for layer in layers:
+            layer.trainable = False
+
+
+def load_tokenizer(path, vocab_size=None):
+    """`--tokenizer FILE.model`: one's own SentencePiece model, its special ids checked (<pad> 0,
+    <unk> 1, <s> 2, </s> 3, as `Tokenizer.train` makes them)."""
+    from keras_transformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+
+    try:
+        tokenizer = Tokenizer.load(path)
+    except (OSError, RuntimeError) as error:
+        raise UserError(f"--tokenizer {path}: not a SentencePiece model that loads ({error}).") from None
+    processor = tokenizer.processor
+    found = (processor.pad_id(), processor.unk_id(), processor.bos_id(), processor.eos_id())
+    if found != (PAD_ID, UNK_ID, BOS_ID, EOS_ID):
+        raise UserError(
+            f"--tokenizer {path}: its special ids are <pad> {found[0]}, <unk> {found[1]}, <s> {found[2]}, "
+            f"</s> {found[3]}; keras-transformer needs 0, 1, 2, 3: train it with --pad_id=0 --unk_id=1 "
+            f"--bos_id=2 --eos_id=3."
+        )
+    if vocab_size and vocab_size != tokenizer.vocab_size:
+        raise UserError(
+            f"--vocab-size {vocab_size}, but --tokenizer {path} has {tokenizer.vocab_size} pieces; "
+            f"leave --vocab-size out."
+        )
+    return tokenizer
 
 
 DEFAULT_VOCAB_SIZE = 8000

@@ -52,3 +52,32 @@ def setting(text):
         return key, ast.literal_eval(value)
     except (ValueError, SyntaxError):
         return key, value
+
+
+class Parts:
+    """A comma-separated choice of some of `names` (`embeddings,encoder`) -> a list, each once."""
+
+    def __init__(self, *names):
+        self.names = names
+        self.description = f"some of {', '.join(names)}, comma-separated"
+
+    def accepts(self, value):
+        return (
+            isinstance(value, (list, tuple))
+            and bool(value)
+            and all(part in self.names for part in value)
+            and len(set(value)) == len(value)
+        )
+
+    def __call__(self, text):
+        value = [part.strip() for part in text.split(",")]
+        if not self.accepts(value):
+            raise argparse.ArgumentTypeError(f"expected {self.description}, got {text!r}")
+        return value
+
+    def __repr__(self):
+        return f"Parts{self.names!r}"
+
+
+def parts_of(*names):
+    return Parts(*names)
