@@ -28,6 +28,7 @@ command with `--resume` continues it).
 import argparse
 import dataclasses
 import os
+import re
 import sys
 import time
 
@@ -143,14 +144,27 @@ def _translate(args):
     for index, hypotheses in enumerate(found):
         for hypothesis in hypotheses if args.n_best else hypotheses[:1]:
             alignment = pharaoh(hypothesis.alignment) if args.alignments else None
+            text = one_line(hypothesis.text)
             if args.n_best:  # Marian's and fairseq's n-best format
-                fields = [str(index), hypothesis.text, f"{hypothesis.score:.4f}"]
+                fields = [str(index), text, f"{hypothesis.score:.4f}"]
                 output.write(" ||| ".join(fields + ([alignment] if args.alignments else [])) + "\n")
             else:
-                fields = [hypothesis.text] + ([f"{hypothesis.score:.4f}"] if args.scores else [])
+                fields = [text] + ([f"{hypothesis.score:.4f}"] if args.scores else [])
                 output.write("\t".join(fields + ([alignment] if args.alignments else [])) + "\n")
     output.flush()
     return 0
+
+
+# What could split an output line: every line boundary of str.splitlines, and the tab that
+# separates --scores and --alignments. A model can emit them through byte-fallback pieces (an
+# undertrained or sampled one does): one line out per line in must hold for aligned files.
+_LINE_BREAKING = re.compile("[\t\n\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029]")
+
+
+def one_line(text):
+    """`text` with every character that would split its output line (or its tab-separated fields)
+    read as a space."""
+    return _LINE_BREAKING.sub(" ", text)
 
 
 def _request(args):

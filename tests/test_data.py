@@ -78,7 +78,7 @@ def test_files_can_name_validation_and_test_splits(tmp_path):
     "dataset, message",
     [
         ("files:dev=a,b", "unknown split 'dev'; use train, val, test"),
-        ("files:train=a,b;train=c,d", "the train split is given twice"),
+        ("files:test=a,b;test=c,d", "the test split is given twice"),
         ("files:val=a", "val takes two comma-separated paths"),
         ("files:a,b,c", "train takes two comma-separated paths"),
         ("files:;", "names no files"),
@@ -227,3 +227,24 @@ def test_train_step_is_not_retraced_after_the_first_epoch(synthetic_tokenized):
         callbacks=[record],
     )
     assert per_epoch[0] >= 1 and per_epoch[0] == per_epoch[-1], per_epoch
+
+
+def test_several_training_corpora_take_weights_and_tags_and_bad_ones_are_one_line():
+    from keras_transformer.data.corpora import TrainingFiles, parse_files
+
+    splits = parse_files("files:train=a.en,a.de@0.7;train=bt.en,bt.de@0.3#<BT>;val=v.en,v.de")
+    assert splits == {
+        "train": [TrainingFiles("a.en", "a.de", 0.7), TrainingFiles("bt.en", "bt.de", 0.3, "<BT>")],
+        "val": ("v.en", "v.de"),
+    }
+    assert parse_files("files:train=a.en,a.de")["train"] == ("a.en", "a.de")  # one corpus: as before
+    for dataset, message in [
+        ("files:train=a.en,a.de@0;val=v.en,v.de", r"the weight of a.en,a.de must be a number > 0; got '0'"),
+        ("files:train=a.en,a.de@-1", r"must be a number > 0; got '-1'"),
+        ("files:train=a.en,a.de@heavy", r"got 'heavy'"),
+        ("files:train=a.en,a.de@nan", r"got 'nan'"),
+        ("files:train=a.en,a.de#<B T>", r"the tag '<B T>' must be one word"),
+        ("files:val=v.en,v.de;val=w.en,w.de", r"the val split is given twice"),
+    ]:
+        with pytest.raises(data.CorpusError, match=message):
+            parse_files(dataset)

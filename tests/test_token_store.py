@@ -196,3 +196,50 @@ def test_many_shuffle_windows_give_every_pair_once_per_epoch_in_a_fixed_order(pa
     for labels, indices in zip(tail, epochs[1][5:]):
         expected = store.batch(list(indices), labels.shape[1], labels.shape[0])[2]
         np.testing.assert_array_equal(labels, expected)
+
+
+def test_a_weighted_mix_gives_each_corpus_its_share_of_every_epoch(pairs, tokenizer):
+    from keras_transformer.data.token_store import StoreSequence
+
+    big = TokenStore.from_texts(pairs[0][:600], pairs[1][:600], tokenizer)
+    small = TokenStore.from_texts(pairs[0][600:], pairs[1][600:], tokenizer)  # 200 pairs
+    mixed = TokenizedPairs(StoreSequence([big, small]), batch_tokens=256, max_length=24, weights=[1, 3])
+    kept = [int(np.sum(store.lengths(0, store.pairs) <= 24)) for store in (big, small)]
+    assert list(mixed.mix_counts) == [round(sum(kept) / 4), round(3 * sum(kept) / 4)]
+
+    def plan(epoch, seed=0):
+        return [tuple(indices) for indices, _ in mixed._plan(epoch, seed)]
+
+    epochs = [plan(epoch) for epoch in range(3)]
+    for batches in epochs:
+        assert len(batches) == mixed.info.batches
+        drawn = np.concatenate(batches)
+        from_small = np.sum(drawn >= 600)
+        assert abs(from_small / len(drawn) - 0.75) < 0.05  # the small corpus, upsampled to 3/4
+        small_kept = np.flatnonzero(small.lengths(0, 200) <= 24) + 600
+        assert set(small_kept) <= set(drawn)  # each of its pairs at least once (it fits twice)
+    assert epochs[0] != epochs[1] and plan(1) == epochs[1] and plan(1, seed=5) != epochs[1]
+    labels = [y for _, y in mixed.epoch(2, seed=0).as_numpy_iterator()]
+    assert len(labels) == mixed.info.batches
+    np.testing.assert_array_equal(
+        labels[3],
+        StoreSequence([big, small]).batch(list(epochs[2][3]), labels[3].shape[1], labels[3].shape[0])[2],
+    )
+
+
+def test_a_tagged_corpus_starts_every_source_with_its_tag_piece(pairs, tmp_path):
+    from keras_transformer.data.corpora import MixedText, TrainingFiles
+
+    paths = _write(tmp_path / "text", pairs[0][:100], pairs[1][:100])
+    mix = MixedText([TrainingFiles(*paths, 1.0), TrainingFiles(*paths, 0.5, "<BT>")]).checked()
+    sources, targets = mix.sample(1000)
+    tokenizer = Tokenizer.train(sources + targets, vocab_size=300, user_defined_symbols=mix.tags)
+    tag_id = tokenizer.processor.piece_to_id("<BT>")
+    plain, tagged = (TokenStore.cached(part, tokenizer, tmp_path / "cache") for part in mix.parts)
+    assert plain.path != tagged.path  # the tag is part of the cache's key
+    # The tag is text before the source, tokenized as a translator tokenizes "<BT> a sentence":
+    # SentencePiece's word boundary, then the tag as one piece.
+    expected = tokenizer.ids_in_python([f"<BT> {source}" for source in pairs[0][:100]])
+    assert _as_lists(tagged, "source") == expected
+    assert all(ids[:2] == [tokenizer.processor.piece_to_id("▁"), tag_id] for ids in expected)
+    assert _as_lists(tagged, "target") == _as_lists(plain, "target")

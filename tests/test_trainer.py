@@ -481,3 +481,61 @@ def test_init_from_and_tokenizer_mistakes_are_one_line_before_the_corpus_is_read
         with pytest.raises(UserError, match=message):
             train(_tiny_options(tmp_path / "run", missing_corpus, **{"vocab_size": None, **changes}))
         assert not (tmp_path / "run").exists()
+
+
+def test_back_translation_end_to_end_sampled_sources_tagged_and_mixed_by_weight(
+    source_run, synthetic_files, tmp_path, monkeypatch, capsys
+):
+    """docs/training.md's back-translation recipe on the synthetic pair: target-side monolingual text
+    -> sampled synthetic sources (`translate --sampling-topk 0 --seed S`, the same for the same
+    seed) -> a corpus tagged <BT>, mixed by weight with the real pairs -> training. An untrained
+    model stands in for the reverse model: the test pins the pipeline, not its quality."""
+    import io
+
+    from keras_transformer import cli
+
+    sources, targets = (path.read_text(encoding="utf-8").splitlines() for path in synthetic_files)
+    files = {}
+    for name, lines in {
+        "train.en": sources[:200],
+        "train.de": targets[:200],
+        "val.en": sources[200:216],
+        "val.de": targets[200:216],
+        "mono.de": targets[400:440],
+    }.items():
+        files[name] = tmp_path / name
+        files[name].write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+    def sample(seed):
+        stdin = io.TextIOWrapper(io.BytesIO(files["mono.de"].read_bytes()))
+        monkeypatch.setattr(sys, "stdin", stdin)
+        arguments = ["--sampling-topk", "0", "--seed", str(seed), "--max-extra-length", "8"]
+        assert cli.main(["translate", "--model", str(source_run.path), *arguments]) == 0
+        return capsys.readouterr().out
+
+    synthetic = sample(1)
+    # One line per input: sampled byte pieces that are line breaks (\r, \x1c, ...) are spaces.
+    assert len(synthetic.splitlines()) == synthetic.count("\n") == 40
+    assert synthetic == sample(1) != sample(2)
+    files["synthetic.en"] = tmp_path / "synthetic.en"
+    files["synthetic.en"].write_text(synthetic, encoding="utf-8")
+    data = (
+        "files:train={train_en},{train_de}@0.7;train={synthetic_en},{mono_de}@0.3#<BT>;val={val_en},{val_de}"
+    )
+    out = tmp_path / "run"
+    arguments = [
+        "--data",
+        data.format(**{name.replace(".", "_"): path for name, path in files.items()}),
+        "--out",
+        str(out),
+    ]
+    status = cli.main(
+        ["train", *arguments, *TINY, "--vocab-size", "600", "--strategy", "default", "--steps", "2"]
+    )
+    printed = capsys.readouterr()
+    lines = printed.out
+    assert status == 0, printed.err
+    assert f"Training corpora mixed by weight: {files['train.en']} (200 pairs, 70% of each epoch), " in lines
+    assert f"{files['synthetic.en']} (40 pairs, 30% of each epoch, tag <BT>)." in lines
+    tokenizer = kt.Tokenizer.load(out / "tokenizer.model")
+    assert tokenizer.ids_in_python(["<BT>"])[0][-1] == tokenizer.processor.piece_to_id("<BT>") > 3

@@ -60,9 +60,14 @@ class TokenizedPairs:
         row_multiple: pad the batch dimension with all-padding rows (which the
             loss ignores) to a multiple of this, so that a batch splits into
             equal shares (multi-worker training slices every batch by rows).
+        weights: for a `StoreSequence` of several corpora, each one's share of
+            an epoch (a weighted mix; see `_mixture_plan`). None: the corpora
+            are simply one after the other.
     """
 
-    def __init__(self, store, batch_tokens=4096, max_length=256, bucket_width=8, row_multiple=1):
+    def __init__(
+        self, store, batch_tokens=4096, max_length=256, bucket_width=8, row_multiple=1, weights=None
+    ):
         if min(batch_tokens, max_length, bucket_width, row_multiple) < 1:
             raise ValueError(
                 "batch_tokens, max_length, bucket_width and row_multiple must be positive integers."
@@ -73,18 +78,39 @@ class TokenizedPairs:
             min(b, max_length) for b in range(bucket_width, max_length + bucket_width, bucket_width)
         ]
         self.batch_sizes = [max(1, batch_tokens // length) for length in self.bucket_lengths]
-        per_bucket = np.zeros(len(self.bucket_lengths), np.int64)
-        self.target_tokens = 0  # target ids + EOS of the kept pairs: what the loss counts per epoch
-        for start in range(0, store.pairs, CHUNK_PAIRS):
-            stop = min(start + CHUNK_PAIRS, store.pairs)
-            lengths = store.lengths(start, stop)
-            keep = lengths <= max_length
-            per_bucket += np.bincount(self._buckets(lengths[keep]), minlength=len(self.bucket_lengths))
-            self.target_tokens += int(np.sum(store.side_lengths("target", start, stop)[keep] + 1))
+        parts = store.parts if weights is not None else [store]
+        histograms, tokens = [], []
+        for part in parts:
+            per_bucket, part_tokens = np.zeros(len(self.bucket_lengths), np.int64), 0
+            for start in range(0, part.pairs, CHUNK_PAIRS):
+                stop = min(start + CHUNK_PAIRS, part.pairs)
+                lengths = part.lengths(start, stop)
+                keep = lengths <= max_length
+                per_bucket += np.bincount(self._buckets(lengths[keep]), minlength=len(self.bucket_lengths))
+                part_tokens += int(np.sum(part.side_lengths("target", start, stop)[keep] + 1))
+            histograms.append(per_bucket)
+            tokens.append(part_tokens)
+        self.weights = weights
+        if weights is None:
+            per_bucket = histograms[0]
+            # target ids + EOS of the kept pairs: what the loss counts per epoch
+            self.target_tokens = tokens[0]
+            dropped = store.pairs - int(per_bucket.sum())
+        else:
+            kept = np.array([histogram.sum() for histogram in histograms], np.int64)
+            if len(weights) != len(parts) or not kept.all():
+                raise ValueError("a weighted mix needs one weight per corpus and kept pairs in each")
+            shares = np.asarray(weights, np.float64) / np.sum(weights)
+            # An epoch has as many pairs as the corpora together; corpus i gives shares[i] of them.
+            self.mix_counts = np.maximum(1, np.round(shares * kept.sum())).astype(np.int64)
+            scale = self.mix_counts / kept
+            per_bucket = np.ceil(sum(h * f for h, f in zip(histograms, scale))).astype(np.int64)
+            self.target_tokens = int(sum(t * f for t, f in zip(tokens, scale)))
+            dropped = store.pairs - int(kept.sum())
         examples = int(per_bucket.sum())
         self.info = DatasetInfo(
             examples=examples,
-            dropped=store.pairs - examples,
+            dropped=dropped,
             batches=int(np.sum(-(-per_bucket // np.array(self.batch_sizes)))),
             bucket_lengths=tuple(self.bucket_lengths),
         )
@@ -118,6 +144,8 @@ class TokenizedPairs:
 
     def in_order(self):
         """One epoch in corpus order (for validation)."""
+        if self.weights is not None:
+            raise ValueError("a weighted mix of corpora has no corpus order; validate on one corpus")
         return self._dataset(lambda: self._plan(None, None), self.info.batches)
 
     def reshuffling(self, seed=0):
@@ -132,6 +160,9 @@ class TokenizedPairs:
     def _plan(self, epoch, seed):
         """Yields `(pair indices, padded length)` of the epoch's batches in order (`epoch` None:
         corpus order)."""
+        if self.weights is not None and epoch is not None:
+            yield from self._mixture_plan(epoch, seed)
+            return
         pairs = self.store.pairs
         chunks = np.arange(-(-pairs // CHUNK_PAIRS))
         if epoch is not None and len(chunks) > 1:
@@ -149,23 +180,56 @@ class TokenizedPairs:
             if epoch is not None:
                 order = _permutation(len(indices), seed, epoch + (window << 40))
                 indices, buckets = indices[order], buckets[order]
-            leaving = []  # (position of the pair that filled the batch, bucket, indices)
-            for bucket in np.unique(buckets):
-                positions = np.flatnonzero(buckets == bucket)
-                members = np.concatenate([pending[bucket], indices[positions]])
-                size, waiting = self.batch_sizes[bucket], len(pending[bucket])
-                full = len(members) // size
-                leaving += [
-                    (positions[(k + 1) * size - 1 - waiting], bucket, members[k * size : (k + 1) * size])
-                    for k in range(full)
+            yield from self._fill(indices, buckets, pending)
+        yield from self._flush(pending)
+
+    def _fill(self, indices, buckets, pending):
+        """The batches that pairs `indices` (in this order, in `buckets`) complete, in the order
+        they complete, each bucket's pairs joining `pending[bucket]` (updated)."""
+        leaving = []  # (position of the pair that filled the batch, bucket, indices)
+        for bucket in np.unique(buckets):
+            positions = np.flatnonzero(buckets == bucket)
+            members = np.concatenate([pending[bucket], indices[positions]])
+            size, waiting = self.batch_sizes[bucket], len(pending[bucket])
+            full = len(members) // size
+            leaving += [
+                (positions[(k + 1) * size - 1 - waiting], bucket, members[k * size : (k + 1) * size])
+                for k in range(full)
+            ]
+            pending[bucket] = members[full * size :]
+        leaving.sort(key=lambda batch: batch[0])
+        return [(members, self.bucket_lengths[bucket]) for _, bucket, members in leaving]
+
+    def _flush(self, pending):
+        """The part-filled batches at the end of an epoch, smallest bucket first."""
+        return [(members, self.bucket_lengths[b]) for b, members in enumerate(pending) if len(members)]
+
+    def _mixture_plan(self, epoch, seed):
+        """A weighted mix's epoch: corpus i gives `mix_counts[i]` of its kept pairs (all of them as
+        often as they fit, then a sample drawn by `(seed, epoch, i)`), shuffled together and batched;
+        an epoch is `info.batches` batches (the expected count; a draw that falls short draws
+        again). Unlike a single corpus, the epoch's pair numbers are held in memory (8 bytes each)."""
+        store, emitted, draw = self.store, 0, 0
+        while emitted < self.info.batches:
+            chosen, buckets = [], []
+            for part, count in enumerate(self.mix_counts):
+                start, stop = int(store.starts[part]), int(store.starts[part + 1])
+                lengths = store.lengths(start, stop)
+                kept = np.flatnonzero(lengths <= self.max_length)
+                repeats, rest = divmod(int(count), len(kept))
+                sample = kept[
+                    _permutation(len(kept), seed, -(1 << 60) - (epoch << 12) - (draw << 8) - part)[:rest]
                 ]
-                pending[bucket] = members[full * size :]
-            leaving.sort(key=lambda batch: batch[0])
-            for _, bucket, members in leaving:
-                yield members, self.bucket_lengths[bucket]
-        for bucket, members in enumerate(pending):
-            if len(members):
-                yield members, self.bucket_lengths[bucket]
+                picked = np.concatenate([np.tile(kept, repeats), sample])
+                chosen.append(start + picked)
+                buckets.append(self._buckets(lengths[picked]))
+            indices, buckets = np.concatenate(chosen), np.concatenate(buckets)
+            order = _permutation(len(indices), seed, epoch + (draw << 40))
+            pending = [np.zeros(0, np.int64) for _ in self.bucket_lengths]
+            batches = self._fill(indices[order], buckets[order], pending) + self._flush(pending)
+            yield from batches[: self.info.batches - emitted]
+            emitted += len(batches)
+            draw += 1
 
     def _dataset(self, plans, count):
         """A dataset of the batches `plans()` lists, gathered from the store as they are needed."""

@@ -18,6 +18,7 @@ once into a cache on disk). Every problem with the input is a `CorpusError` (a
 
 import dataclasses
 import gzip
+import math
 import os
 import pathlib
 import random
@@ -62,16 +63,26 @@ class Corpus:
         """A corpus read from aligned UTF-8 files: each split given is a `(source path, target
         path)` pair (`read_parallel_files`). Training needs `train` (without `val` it holds out a
         part of it); `evaluate` reads the split it is asked for. With `stream`, the training split
-        is a `ParallelText` (checked, not read)."""
+        is a `ParallelText` (checked, not read). `train` may be a list of `TrainingFiles` (or
+        `(source, target, weight, tag)` tuples): several corpora mixed by weight (a `MixedText`).
+
+        Example:
+            Corpus.from_files(train=[("a.en", "a.de", 0.7), ("bt.en", "bt.de", 0.3, "<BT>")],
+                              val=("dev.en", "dev.de"), stream=True)"""
         given = {name: paths for name, paths in (("train", train), ("val", val), ("test", test)) if paths}
         if not given:
             raise CorpusError("Corpus.from_files needs at least one of train, val, test.")
-        splits = {
-            name: ParallelText(*paths).checked()
-            if stream and name == "train"
-            else read_parallel_files(*paths)
-            for name, paths in given.items()
-        }
+        splits = {}
+        for name, paths in given.items():
+            if name == "train" and isinstance(paths, list):  # several corpora, weighted
+                mix = MixedText(
+                    [files if isinstance(files, TrainingFiles) else TrainingFiles(*files) for files in paths]
+                )
+                splits[name] = mix.checked() if stream else mix.read()
+            elif name == "train" and stream:
+                splits[name] = ParallelText(*paths).checked()
+            else:
+                splits[name] = read_parallel_files(*paths)
         return cls(splits, source_lang, target_lang)
 
     def train_and_validation(self, log=None):
@@ -81,6 +92,10 @@ class Corpus:
         train_pairs = self["train"]
         if "val" in self.splits:
             return train_pairs, self["val"]
+        if isinstance(train_pairs, MixedText):
+            raise CorpusError(
+                "Several training corpora are mixed: give a validation split too (val=SRC,TGT)."
+            )
         count = train_pairs.count if isinstance(train_pairs, ParallelText) else len(train_pairs[0])
         held_out = max(1, min(1000, count // 20))
         if count - held_out < 1:
@@ -127,8 +142,10 @@ def load_corpus(dataset, data_dir=None, source_lang="en", target_lang="de", seed
 
 def parse_files(dataset):
     """`files:SRC,TGT` (a training split) or `files:train=SRC,TGT;val=SRC,TGT;test=SRC,TGT` (any of
-    the three, each once) -> `{split: (source path, target path)}`."""
-    usage = "files:SRC,TGT or files:train=SRC,TGT;val=SRC,TGT;test=SRC,TGT"
+    the three, each once) -> `{split: (source path, target path)}`. Several corpora mixed by
+    weight: `train=SRC,TGT@WEIGHT#TAG` given more than once (`@WEIGHT`, default 1, and `#TAG`, a
+    source-side tag such as `<BT>`, are optional) -> `{"train": [TrainingFiles, ...]}`."""
+    usage = "files:SRC,TGT or files:train=SRC,TGT[@WEIGHT][#TAG];...;val=SRC,TGT;test=SRC,TGT"
     body = dataset[len("files:") :]
     parts = [part.strip() for part in body.split(";")]
     if not any(parts):
@@ -137,18 +154,60 @@ def parse_files(dataset):
         raise CorpusError(f"{dataset!r} has an empty entry between ';' (a stray ';'?); use {usage}.")
     if len(parts) == 1 and "=" not in parts[0]:
         parts = [f"train={parts[0]}"]
-    splits = {}
+    splits, training = {}, []
     for part in parts:
         name, _, paths = part.partition("=")
-        name, paths = name.strip(), [path.strip() for path in paths.split(",")]
+        name = name.strip()
         if name not in FILE_SPLITS:
             raise CorpusError(f"{dataset!r}: unknown split {name!r}; use {', '.join(FILE_SPLITS)} ({usage}).")
+        if name == "train":
+            training.append(_training_files(dataset, paths, usage))
+            continue
         if name in splits:
             raise CorpusError(f"{dataset!r}: the {name} split is given twice ({usage}).")
-        if len(paths) != 2 or not all(paths):
-            raise CorpusError(f"{dataset!r}: {name} takes two comma-separated paths, SRC,TGT ({usage}).")
-        splits[name] = tuple(paths)
+        splits[name] = _two_paths(dataset, name, paths, usage)
+    if len(training) == 1 and training[0].weight == 1.0 and training[0].tag is None:
+        splits["train"] = (training[0].source, training[0].target)
+    elif training:
+        splits["train"] = training
     return splits
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingFiles:
+    """One training corpus of a weighted mix: aligned files, its weight (the share of each epoch's
+    pairs it gives, relative to the others') and an optional source-side tag (e.g. `<BT>` on
+    back-translated pairs, Caswell et al. 2019), one vocabulary piece prepended to every source."""
+
+    source: str
+    target: str
+    weight: float = 1.0
+    tag: str = None
+
+
+def _two_paths(dataset, name, paths, usage):
+    paths = [path.strip() for path in paths.split(",")]
+    if len(paths) != 2 or not all(paths):
+        raise CorpusError(f"{dataset!r}: {name} takes two comma-separated paths, SRC,TGT ({usage}).")
+    return tuple(paths)
+
+
+def _training_files(dataset, text, usage):
+    text, _, tag = text.partition("#")
+    text, _, weight = text.partition("@")
+    source, target = _two_paths(dataset, "train", text, usage)
+    tag = tag.strip() or None
+    if tag is not None and (" " in tag or not tag.isprintable()):
+        raise CorpusError(f"{dataset!r}: the tag {tag!r} must be one word without spaces, such as <BT>.")
+    try:
+        value = float(weight) if weight.strip() else 1.0
+    except ValueError:
+        value = None
+    if value is None or not math.isfinite(value) or value <= 0:
+        raise CorpusError(
+            f"{dataset!r}: the weight of {source},{target} must be a number > 0; got {weight.strip()!r}."
+        )
+    return TrainingFiles(source, target, value, tag)
 
 
 def _swap(corpus):
@@ -189,9 +248,9 @@ class ParallelText:
     Unpacked (`sources, targets = text`), it reads the whole range into two lists.
     """
 
-    def __init__(self, source_path, target_path, start=0, stop=None):
+    def __init__(self, source_path, target_path, start=0, stop=None, tag=None):
         self.paths = (pathlib.Path(source_path), pathlib.Path(target_path))
-        self.start, self.stop = start, stop
+        self.start, self.stop, self.tag = start, stop, tag
 
     def checked(self):
         """Self, after checking that both files exist, are aligned and are not empty."""
@@ -220,17 +279,14 @@ class ParallelText:
 
     def part(self, start, stop):
         """Pairs `start .. stop - 1` of this range, as a `ParallelText`."""
-        return ParallelText(*self.paths, self.start + start, self.start + min(stop, self.count))
+        return ParallelText(*self.paths, self.start + start, self.start + min(stop, self.count), self.tag)
 
     def fingerprint(self):
-        """What identifies the text: each file's absolute path, size and modification time, and
-        the range (a token cache is keyed by it)."""
+        """What identifies the text: each file's absolute path, size and modification time, the
+        range and the tag (a token cache is keyed by it)."""
         files = [(str(path.resolve()), path.stat().st_size, path.stat().st_mtime_ns) for path in self.paths]
-        return {
-            "files": files,
-            "start": self.start,
-            "stop": self.stop if self.stop is not None else self.count,
-        }
+        stop = self.stop if self.stop is not None else self.count
+        return {"files": files, "start": self.start, "stop": stop, "tag": self.tag}
 
     def chunks(self, size=65536, keep=None):
         """Yields `(sources, targets)` lists of up to `size` pairs, in order; with `keep` (sorted
@@ -256,7 +312,7 @@ class ParallelText:
                 source = _utf8_line(raw_source, self.paths[0], number)
                 target = _utf8_line(raw_target, self.paths[1], number)
                 any_source, any_target = any_source or bool(source), any_target or bool(target)
-                sources.append(source)
+                sources.append(f"{self.tag} {source}" if self.tag else source)
                 targets.append(target)
                 if wanted is not None:
                     want = next(wanted, None)
@@ -287,7 +343,41 @@ class ParallelText:
         return iter(self.sample(self.count))
 
     def __repr__(self):
-        return f"ParallelText({str(self.paths[0])!r}, {str(self.paths[1])!r}, {self.start}, {self.stop})"
+        paths = ", ".join(repr(str(path)) for path in self.paths)
+        return f"ParallelText({paths}, {self.start}, {self.stop}, {self.tag!r})"
+
+
+class MixedText:
+    """Several training corpora (`TrainingFiles`) mixed by weight: each is a `ParallelText` (with
+    its tag); `weights` are the shares of each epoch's pairs (`batching.TokenizedPairs`)."""
+
+    def __init__(self, files):
+        self.files = list(files)
+        self.parts = [ParallelText(f.source, f.target, tag=f.tag) for f in self.files]
+        self.weights = [f.weight for f in self.files]
+        self.tags = sorted({f.tag for f in self.files if f.tag})
+
+    def checked(self):
+        for part in self.parts:
+            part.checked()
+        return self
+
+    @property
+    def count(self):
+        return sum(part.count for part in self.parts)
+
+    def sample(self, pairs, seed=0):
+        """Pairs for a vocabulary: from each corpus its share of `pairs` by size (`ParallelText.sample`)."""
+        sources, targets, total = [], [], self.count
+        for part in self.parts:
+            part_sources, part_targets = part.sample(max(1, pairs * part.count // total), seed)
+            sources += part_sources
+            targets += part_targets
+        return sources, targets
+
+    def read(self):
+        """`(sources, targets)` of every corpus, one after the other (tags applied, weights not)."""
+        return self.checked().sample(self.count)
 
 
 def read_lines(path):

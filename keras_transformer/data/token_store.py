@@ -131,6 +131,41 @@ class TokenStore:
         return np.where(inside, values, PAD_ID).astype(np.int32), lengths
 
 
+class StoreSequence:
+    """Several `TokenStore`s read as one (the corpora of a weighted mix): pair i of part p is
+    number `starts[p] + i`. It has a store's `pairs`, `lengths`, `side_lengths` and `batch`."""
+
+    def __init__(self, stores):
+        self.parts = list(stores)
+        self.starts = np.concatenate([[0], np.cumsum([store.pairs for store in self.parts])]).astype(np.int64)
+        self.pairs = int(self.starts[-1])
+
+    def _pieces(self, start, stop):
+        for part, store in enumerate(self.parts):
+            low, high = max(start, self.starts[part]), min(stop, self.starts[part + 1])
+            if low < high:
+                yield store, int(low - self.starts[part]), int(high - self.starts[part])
+
+    def side_lengths(self, side, start, stop):
+        pieces = [store.side_lengths(side, low, high) for store, low, high in self._pieces(start, stop)]
+        return np.concatenate(pieces) if pieces else np.zeros(0, np.int64)
+
+    def lengths(self, start, stop):
+        pieces = [store.lengths(low, high) for store, low, high in self._pieces(start, stop)]
+        return np.concatenate(pieces) if pieces else np.zeros(0, np.int64)
+
+    def batch(self, indices, length, rows):
+        indices = np.asarray(indices, np.int64)
+        parts = np.searchsorted(self.starts, indices, side="right") - 1
+        result = [np.full((rows, length), PAD_ID, np.int32) for _ in range(3)]
+        for part in np.unique(parts):
+            where = np.flatnonzero(parts == part)
+            arrays = self.parts[part].batch(indices[where] - self.starts[part], length, len(where))
+            for array, values in zip(result, arrays):
+                array[where] = values[: len(where)]
+        return tuple(result)
+
+
 def _dtype(tokenizer):
     return np.uint16 if tokenizer.vocab_size <= np.iinfo(np.uint16).max + 1 else np.int32
 

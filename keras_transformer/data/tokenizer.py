@@ -88,6 +88,7 @@ class Tokenizer:
         character_coverage=1.0,
         max_sentences=2_000_000,
         cap_to_corpus=False,
+        user_defined_symbols=(),
     ):
         """Trains a vocabulary of `vocab_size` pieces on an iterable of strings.
 
@@ -102,6 +103,8 @@ class Tokenizer:
             cap_to_corpus: when the corpus supports fewer than `vocab_size`
                 pieces, build as many as it supports instead of raising (a
                 default size on a small corpus); `vocab_size` tells the result.
+            user_defined_symbols: strings that are always one piece each (the
+                source-side tags of a weighted mix, such as `<BT>`).
 
         Raises:
             ValueError: empty corpus, or a vocabulary the corpus cannot support.
@@ -128,6 +131,8 @@ class Tokenizer:
             num_threads=os.cpu_count() or 1,
             minloglevel=2,
         )
+        if user_defined_symbols:
+            arguments["user_defined_symbols"] = list(user_defined_symbols)
         try:
             sentencepiece.SentencePieceTrainer.train(vocab_size=vocab_size, **arguments)
         except RuntimeError as error:
@@ -181,7 +186,8 @@ class Tokenizer:
         """Lists of the ids of `texts` (Python strings), the ids `tokenize` gives (NUL read as a
         space, no BOS/EOS), computed by SentencePiece outside any graph: for tokenizing a corpus
         into a token cache (`token_store.py`)."""
-        return self.processor.encode([text.replace("\x00", " ") for text in texts])
+        texts = [text.replace("\x00", " ") for text in texts]
+        return self.processor.encode(texts, num_threads=os.cpu_count() or 1)
 
     def encode(self, strings, max_length=None, add_eos=True, pad_to_max_length=True, repair_utf8=False):
         """Strings `(batch,)` -> padded int32 ids `(batch, length)` for Keras layers.

@@ -13,8 +13,8 @@ import keras
 import tensorflow as tf
 
 from keras_transformer.data.batching import TokenizedPairs
-from keras_transformer.data.corpora import ParallelText, cache_dir, load_corpus
-from keras_transformer.data.token_store import TokenStore
+from keras_transformer.data.corpora import MixedText, ParallelText, cache_dir, load_corpus
+from keras_transformer.data.token_store import StoreSequence, TokenStore
 from keras_transformer.data.tokenizer import Tokenizer
 from keras_transformer.model.config import TransformerConfig
 from keras_transformer.model.transformer import Transformer
@@ -79,12 +79,18 @@ def prepare_run(run, options, log):
     else:
         config = _model_config(options, tokenizer.vocab_size)
     max_length = min(options.max_length or config.max_length, config.max_length)
-    if isinstance(train_pairs, ParallelText):
-        store = TokenStore.cached(train_pairs, tokenizer, options.token_cache or token_cache_dir(), log)
+    cache, weights = options.token_cache or token_cache_dir(), None
+    if isinstance(train_pairs, MixedText):
+        _check_tags(train_pairs.tags, tokenizer, log)
+        store = StoreSequence(TokenStore.cached(part, tokenizer, cache, log) for part in train_pairs.parts)
+        weights = train_pairs.weights
+        log(_describe_mix(train_pairs, store))
+    elif isinstance(train_pairs, ParallelText):
+        store = TokenStore.cached(train_pairs, tokenizer, cache, log)
     else:
         store = TokenStore.from_texts(*train_pairs, tokenizer)
     batches = TokenizedPairs(
-        store, batch_tokens=options.batch_tokens, max_length=max_length, row_multiple=workers
+        store, batch_tokens=options.batch_tokens, max_length=max_length, row_multiple=workers, weights=weights
     )
     if batches.info.examples == 0:
         raise UserError(f"No training pair fits in {max_length} tokens; raise --max-length.")
@@ -244,17 +250,37 @@ def token_cache_dir():
     return cache_dir() / "token_cache"
 
 
+def _check_tags(tags, tokenizer, log):
+    """A tag of a weighted mix should be one piece of the vocabulary (a vocabulary trained here
+    makes it one; one brought with --tokenizer or --init-from may not)."""
+    for tag in tags:
+        if len(tokenizer.ids_in_python([tag])[0]) != 1:
+            log(f"Warning: the tag {tag} is not one piece of this vocabulary; it is split into several.")
+
+
+def _describe_mix(mix, store):
+    shares = [weight / sum(mix.weights) for weight in mix.weights]
+    parts = ", ".join(
+        f"{files.source} ({part.pairs:,} pairs, {share:.0%} of each epoch"
+        f"{f', tag {files.tag}' if files.tag else ''})"
+        for files, part, share in zip(mix.files, store.parts, shares)
+    )
+    return f"Training corpora mixed by weight: {parts}."
+
+
 def _train_tokenizer(train_pairs, vocab_size, seed, log):
     """The shared vocabulary; an explicit size the corpus cannot support is an error, the default is
-    capped. A corpus read from files is sampled: at most `VOCABULARY_SAMPLE_PAIRS` pairs."""
-    if isinstance(train_pairs, ParallelText):
+    capped. A corpus read from files is sampled: at most `VOCABULARY_SAMPLE_PAIRS` pairs; the
+    tags of a weighted mix are pieces of their own."""
+    tags = train_pairs.tags if isinstance(train_pairs, MixedText) else ()
+    if isinstance(train_pairs, (ParallelText, MixedText)):
         if train_pairs.count > VOCABULARY_SAMPLE_PAIRS:
             log(f"Vocabulary: trained on {VOCABULARY_SAMPLE_PAIRS:,} pairs drawn from {train_pairs.count:,}.")
         train_pairs = train_pairs.sample(VOCABULARY_SAMPLE_PAIRS, seed)
     texts = train_pairs[0] + train_pairs[1]
     if vocab_size is not None:
-        return Tokenizer.train(texts, vocab_size)
-    tokenizer = Tokenizer.train(texts, DEFAULT_VOCAB_SIZE, cap_to_corpus=True)
+        return Tokenizer.train(texts, vocab_size, user_defined_symbols=tags)
+    tokenizer = Tokenizer.train(texts, DEFAULT_VOCAB_SIZE, cap_to_corpus=True, user_defined_symbols=tags)
     if tokenizer.vocab_size < DEFAULT_VOCAB_SIZE:
         log(
             f"Vocabulary: {tokenizer.vocab_size} pieces, the most this corpus supports (the default "
