@@ -20,7 +20,9 @@ maximum over each phase; `--baseline REF` also runs the given commit's pipeline 
 
     python scripts/bench_corpus_scale.py [--sizes 29000,290000,4500000,20000000]
         [--baseline REF --baseline-sizes 29000,290000] [--steps 40]
-        [--json results/bench_corpus_scale.json]
+        [--json results/bench_corpus_scale.json] [--table-only]
+
+It prints the table and writes it into docs/training.md (`--table-only`: from the JSON alone).
 """
 
 import json
@@ -198,7 +200,14 @@ def main():
     parser.add_argument("--baseline-sizes", default="29000,290000")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--work", help="where the corpora and caches go (default: a temporary directory)")
+    parser.add_argument(
+        "--table-only", action="store_true", help="rewrite docs/training.md's table from --json"
+    )
     args = parser.parse_args()
+    if args.table_only:
+        report = json.loads(Path(args.json).read_text(encoding="utf-8"))
+        harness.replace_between(harness.ROOT / "docs" / "training.md", BEGIN, END, render(report))
+        return
     if not args.data_dir:
         raise SystemExit("needs Multi30k: --data-dir DIR or $MULTI30K_DIR")
     work = Path(args.work or tempfile.mkdtemp(prefix="corpus-scale-"))
@@ -207,7 +216,7 @@ def main():
         trees[f"in memory @{args.baseline}"] = work / "baseline"
         trees[f"in memory @{args.baseline}"].mkdir(parents=True, exist_ok=True)
         harness.extract_tree(args.baseline, trees[f"in memory @{args.baseline}"])
-    rows, table = [], []
+    rows = []
     try:
         for size in (int(size) for size in args.sizes.split(",")):
             data = write_corpus(work / f"corpus-{size}", args.data_dir, size)
@@ -220,45 +229,54 @@ def main():
                 reports = {
                     report["phase"]: report for report in run_child(tree, data, scratch, args.steps, phases)
                 }
-                row = dict(
-                    pairs=size,
-                    pipeline=name,
-                    **{phase: reports.get(phase) for phase in ("imports", "cold", "warm", "steps")},
+                phases = ("imports", "cold", "warm", "steps")
+                rows.append(
+                    dict(pairs=size, pipeline=name, **{phase: reports.get(phase) for phase in phases})
                 )
-                rows.append(row)
                 shutil.rmtree(scratch, ignore_errors=True)
-                steps = reports["steps"]
-                table.append(
-                    [
-                        f"{size:,}",
-                        name,
-                        f"{reports['cold']['seconds']:.0f}",
-                        f"{reports['warm']['seconds']:.1f}" if "warm" in reports else "-",
-                        f"{reports['cold']['peak_rss_anon_mib']:,}",
-                        f"{max(r['peak_rss_anon_mib'] for r in reports.values()):,}",
-                        f"{steps['streamed']:.0f}",
-                        f"{steps['in memory']:.0f}",
-                    ]
-                )
             shutil.rmtree(work / f"corpus-{size}", ignore_errors=True)
     finally:
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
+    report = harness.write_report(args.json, settings=vars(args), results=rows)
     print()
-    harness.print_table(
-        [
-            "pairs",
-            "pipeline",
-            "prepare s (cold)",
-            "prepare s (warm)",
-            "peak RssAnon MiB (prepare)",
-            "peak RssAnon MiB (all)",
-            "step ms (as trained)",
-            "step ms (batches in memory)",
-        ],
-        table,
-    )
-    harness.write_report(args.json, settings=vars(args), results=rows)
+    print(render(report))
+    harness.replace_between(harness.ROOT / "docs" / "training.md", BEGIN, END, render(report))
+
+
+BEGIN, END = "<!-- BEGIN corpus-scale -->", "<!-- END corpus-scale -->"
+
+
+def render(report):
+    """The Markdown table of a report (`--table-only` rewrites docs/training.md's from the JSON)."""
+    headers = [
+        "pairs",
+        "pipeline",
+        "prepare s (cold)",
+        "prepare s (warm)",
+        "peak RssAnon MiB (prepare)",
+        "peak RssAnon MiB (all)",
+        "step ms (as trained)",
+        "step ms (same batches in memory)",
+    ]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    for row in report["results"]:
+        phases = [row[phase] for phase in ("imports", "cold", "warm", "steps") if row.get(phase)]
+        cells = [
+            f"{row['pairs']:,}",
+            row["pipeline"],
+            f"{row['cold']['seconds']:.0f}",
+            f"{row['warm']['seconds']:.1f}" if row.get("warm") else "-",
+            f"{row['cold']['peak_rss_anon_mib']:,}",
+            f"{max(p['peak_rss_anon_mib'] for p in phases):,}",
+            f"{row['steps']['streamed']:.0f}",
+            f"{row['steps']['in memory']:.0f}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    machine = report["machine"]
+    simd = ", ".join(machine["simd"])
+    lines.append(f"\n{machine['cpu']}, {machine['cores']} cores, {simd}; commit {machine['commit']}.")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

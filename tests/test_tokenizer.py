@@ -128,7 +128,7 @@ def test_default_vocabulary_is_capped_to_the_built_in_corpus_but_an_explicit_one
 
     lines = []
     pairs, _ = load_corpus("synthetic", None, "en", "de").train_and_validation(lines.append)
-    tokenizer = _train_tokenizer(pairs, None, lines.append)
+    tokenizer = _train_tokenizer(pairs, None, 0, lines.append)
     assert 8 <= tokenizer.vocab_size < 8000
     assert lines[-1] == (
         f"Vocabulary: {tokenizer.vocab_size} pieces, the most this corpus supports "
@@ -139,4 +139,4 @@ def test_default_vocabulary_is_capped_to_the_built_in_corpus_but_an_explicit_one
         match=r"^vocab_size=8000 is too large for this corpus: "
         rf"SentencePiece can build at most {tokenizer.vocab_size} ",
     ):
-        _train_tokenizer(pairs, 8000, lines.append)
+        _train_tokenizer(pairs, 8000, 0, lines.append)
