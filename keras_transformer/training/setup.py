@@ -303,9 +303,9 @@ def _warn_if_warmup_outlasts_the_run(options, batches_per_epoch, log):
     if options.warmup_steps >= updates:
         log(
             f"Warning: --warmup-steps {options.warmup_steps} is longer than the whole run ({updates:,} "
-            f"updates: {length}); the "
-            f"learning rate never reaches its peak and the model may translate nothing. Give a "
-            f"--warmup-steps well under {updates:,} (the demo: 400 of 1,130) or more --epochs."
+            f"updates: {length}); the learning rate never reaches its peak and the model may "
+            f"translate nothing. Give a --warmup-steps well under {updates:,} (the demo: 400 of "
+            f"1,130) or a longer run (--epochs, --steps)."
         )
 
 
