@@ -118,7 +118,7 @@ class _PoisonWeights(keras.callbacks.Callback):
 
 def _tiny_options(out, data, **changes):
     """`TrainingOptions` of a quiet one-epoch tiny run on one device, with `changes`."""
-    values = dict(preset="tiny", vocab_size=300, batch_tokens=512, warmup_steps=50, epochs=1)
+    values = dict(preset="tiny", vocab_size=300, batch_tokens=1024, warmup_steps=50, epochs=1)
     values.update(strategy="default", verbose=0)
     return TrainingOptions(out=str(out), data=data, **{**values, **changes})
 
@@ -156,7 +156,7 @@ def test_two_workers_on_localhost_train_to_identical_weights(corpus_files, tmp_p
     processes = []
     for index in range(2):
         tf_config = json.dumps({"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}})
-        command = _command(corpus_files, tmp_path / f"worker{index}", "--epochs", "1")
+        command = _command(corpus_files, tmp_path / f"worker{index}", "--steps", "6")
         command[command.index("default")] = "multi-worker"
         processes.append(
             subprocess.Popen(
@@ -497,7 +497,7 @@ def test_back_translation_end_to_end_sampled_sources_tagged_and_mixed_by_weight(
         "train.de": targets[:200],
         "val.en": sources[200:216],
         "val.de": targets[200:216],
-        "mono.de": targets[400:440],
+        "mono.de": targets[400:420],
     }.items():
         files[name] = tmp_path / name
         files[name].write_text("\n".join(lines) + "\n", encoding="utf-8")
@@ -511,7 +511,7 @@ def test_back_translation_end_to_end_sampled_sources_tagged_and_mixed_by_weight(
 
     synthetic = sample(1)
     # One line per input: sampled byte pieces that are line breaks (\r, \x1c, ...) are spaces.
-    assert len(synthetic.splitlines()) == synthetic.count("\n") == 40
+    assert len(synthetic.splitlines()) == synthetic.count("\n") == 20
     files["synthetic.en"] = tmp_path / "synthetic.en"
     files["synthetic.en"].write_text(synthetic, encoding="utf-8")
     data = (
@@ -531,6 +531,6 @@ def test_back_translation_end_to_end_sampled_sources_tagged_and_mixed_by_weight(
     lines = printed.out
     assert status == 0, printed.err
     assert f"Training corpora mixed by weight: {files['train.en']} (200 pairs, 70% of each epoch), " in lines
-    assert f"{files['synthetic.en']} (40 pairs, 30% of each epoch, tag <BT>)." in lines
+    assert f"{files['synthetic.en']} (20 pairs, 30% of each epoch, tag <BT>)." in lines
     tokenizer = kt.Tokenizer.load(out / "tokenizer.model")
     assert tokenizer.ids_in_python(["<BT>"])[0][-1] == tokenizer.processor.piece_to_id("<BT>") > 3
