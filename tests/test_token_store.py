@@ -203,6 +203,8 @@ def test_a_weighted_mix_gives_each_corpus_its_share_of_every_epoch(pairs, tokeni
 
     big = TokenStore.from_texts(pairs[0][:600], pairs[1][:600], tokenizer)
     small = TokenStore.from_texts(pairs[0][600:], pairs[1][600:], tokenizer)  # 200 pairs
+    with pytest.raises(ValueError, match=r"training corpus 1 of the mix has no pair of at most 2 tokens"):
+        TokenizedPairs(StoreSequence([big, small]), batch_tokens=256, max_length=2, weights=[1, 3])
     mixed = TokenizedPairs(StoreSequence([big, small]), batch_tokens=256, max_length=24, weights=[1, 3])
     kept = [int(np.sum(store.lengths(0, store.pairs) <= 24)) for store in (big, small)]
     assert list(mixed.mix_counts) == [round(sum(kept) / 4), round(3 * sum(kept) / 4)]

@@ -98,8 +98,16 @@ class TokenizedPairs:
             dropped = store.pairs - int(per_bucket.sum())
         else:
             kept = np.array([histogram.sum() for histogram in histograms], np.int64)
-            if len(weights) != len(parts) or not kept.all():
-                raise ValueError("a weighted mix needs one weight per corpus and kept pairs in each")
+            if len(weights) != len(parts):
+                raise ValueError(
+                    f"a weighted mix of {len(parts)} corpora needs as many weights; got {weights}"
+                )
+            if not kept.all():
+                empty = int(np.flatnonzero(kept == 0)[0]) + 1
+                raise ValueError(
+                    f"training corpus {empty} of the mix has no pair of at most {max_length} tokens; "
+                    f"raise --max-length or leave that corpus out"
+                )
             shares = np.asarray(weights, np.float64) / np.sum(weights)
             # An epoch has as many pairs as the corpora together; corpus i gives shares[i] of them.
             self.mix_counts = np.maximum(1, np.round(shares * kept.sum())).astype(np.int64)
@@ -210,12 +218,14 @@ class TokenizedPairs:
         an epoch is `info.batches` batches (the expected count; a draw that falls short draws
         again). Unlike a single corpus, the epoch's pair numbers are held in memory (8 bytes each)."""
         store, emitted, draw = self.store, 0, 0
+        parts = []  # (first pair number, lengths, kept pairs) of each corpus, once per epoch
+        for part in range(len(self.mix_counts)):
+            start, stop = int(store.starts[part]), int(store.starts[part + 1])
+            lengths = store.lengths(start, stop)
+            parts.append((start, lengths, np.flatnonzero(lengths <= self.max_length)))
         while emitted < self.info.batches:
             chosen, buckets = [], []
-            for part, count in enumerate(self.mix_counts):
-                start, stop = int(store.starts[part]), int(store.starts[part + 1])
-                lengths = store.lengths(start, stop)
-                kept = np.flatnonzero(lengths <= self.max_length)
+            for part, ((start, lengths, kept), count) in enumerate(zip(parts, self.mix_counts)):
                 repeats, rest = divmod(int(count), len(kept))
                 sample = kept[
                     _permutation(len(kept), seed, -(1 << 60) - (epoch << 12) - (draw << 8) - part)[:rest]

@@ -229,7 +229,7 @@ def _utf8_line(raw, path, number):
 
 
 def count_lines(path):
-    """The number of lines of a file as `read_lines` splits it, read in blocks (no decoding)."""
+    """The number of lines of a file as `ParallelText` reads them, read in blocks (no decoding)."""
     count, last = 0, b"\n"
     with open(path, "rb") as handle:
         for block in iter(lambda: handle.read(1 << 22), b""):
@@ -380,26 +380,10 @@ class MixedText:
         return self.checked().sample(self.count)
 
 
-def read_lines(path):
-    """The lines of a UTF-8 text file, stripped; `CorpusError` on a missing or non-UTF-8 file."""
-    path = pathlib.Path(path)
-    if not path.is_file():
-        raise CorpusError(f"{path}: no such file.")
-    with open(path, "rb") as handle:
-        return [_utf8_line(raw, path, number) for number, raw in enumerate(handle, start=1)]
-
-
 def read_parallel_files(source_path, target_path):
-    """Aligned sentences from two files, line i of one translating line i of the other."""
-    sources, targets = read_lines(source_path), read_lines(target_path)
-    if len(sources) != len(targets):
-        raise CorpusError(
-            f"{source_path} has {len(sources)} lines but {target_path} has {len(targets)}; "
-            f"line i of one must translate line i of the other."
-        )
-    if not any(sources) or not any(targets):
-        raise CorpusError(f"{source_path} / {target_path}: the corpus is empty (no non-empty line).")
-    return sources, targets
+    """Aligned sentences from two files, line i of one translating line i of the other, as two
+    lists (`ParallelText`'s checks: aligned, UTF-8, not empty)."""
+    return tuple(ParallelText(source_path, target_path).checked())
 
 
 def _multi30k(data_dir, source_lang, target_lang, stream=False):

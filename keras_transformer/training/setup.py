@@ -89,9 +89,16 @@ def prepare_run(run, options, log):
         store = TokenStore.cached(train_pairs, tokenizer, cache, log)
     else:
         store = TokenStore.from_texts(*train_pairs, tokenizer)
-    batches = TokenizedPairs(
-        store, batch_tokens=options.batch_tokens, max_length=max_length, row_multiple=workers, weights=weights
-    )
+    try:
+        batches = TokenizedPairs(
+            store,
+            batch_tokens=options.batch_tokens,
+            max_length=max_length,
+            row_multiple=workers,
+            weights=weights,
+        )
+    except ValueError as error:  # a corpus of the mix without a pair that fits
+        raise UserError(f"{error}.") from None
     if batches.info.examples == 0:
         raise UserError(f"No training pair fits in {max_length} tokens; raise --max-length.")
     validation = TokenizedPairs.from_texts(
