@@ -57,11 +57,9 @@ import os
 
 import numpy as np
 
-from keras_transformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer
 from keras_transformer.decoding import policy
 from keras_transformer.decoding.alignments import word_alignment
 from keras_transformer.decoding.controls import DecodingOptions, Hypothesis
-from keras_transformer.layers.positional_encoding import sinusoidal_table
 from keras_transformer.utils.checks import UserError
 from keras_transformer_export.layout import atomic_directory
 
@@ -140,6 +138,10 @@ def transformer_spec(model, tokenizer):
 
     Raises `UserError` (one line) for what CTranslate2 cannot run as ours does.
     """
+    # Imported here: exporting needs Keras and the tokenizer (TensorFlow), translating does not.
+    from keras_transformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+    from keras_transformer.layers.positional_encoding import sinusoidal_table
+
     specs = _ctranslate2().specs.transformer_spec
     config = model.config
     if tokenizer.vocab_size != max(config.vocab_size, config.target_vocab):
@@ -223,6 +225,8 @@ def export_ctranslate2(
     `beam_size`, `length_penalty`, `max_extra_length` are stored in
     `export.json` as `CTranslate2Translator`'s defaults.
     """
+    from keras_transformer.data.tokenizer import Tokenizer
+
     ctranslate2 = _ctranslate2()
     if quantization not in QUANTIZATIONS:
         raise UserError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {quantization!r}.")
@@ -265,7 +269,8 @@ class CTranslate2Translator:
     """Translates text with a directory written by `export_ctranslate2`.
 
     Decoding runs in CTranslate2 and tokenization in SentencePiece's Python
-    package; no TensorFlow op runs (the package import still loads it).
+    package; neither TensorFlow nor Keras is imported (the runtime install of
+    docs/deployment.md has neither).
 
     Args:
         path: the exported directory.
@@ -317,7 +322,10 @@ class CTranslate2Translator:
         self.processor = sentencepiece.SentencePieceProcessor(
             model_file=os.path.join(path, "tokenizer.model")
         )
-        self.never = [[self.processor.id_to_piece(PAD_ID)], [self.processor.id_to_piece(BOS_ID)]]
+        # The special ids from the export's config (the tokenizer's, checked at export).
+        config = self.settings["config"]
+        self.eos_id = config["eos_id"]
+        self.never = [[self.processor.id_to_piece(config[name])] for name in policy.NEVER_OUTPUT]
 
     def tokenize(self, sentences):
         """Pieces of each sentence, truncated to `max_length - 1` (EOS is added by CTranslate2)."""
@@ -382,7 +390,7 @@ class CTranslate2Translator:
         (`score_batch` appends it) before ranking. With a target prefix every
         hypothesis is rescored (CTranslate2 leaves the prefix out of its scores).
         """
-        eos = self.processor.id_to_piece(EOS_ID)
+        eos = self.processor.id_to_piece(self.eos_id)
         hypotheses = [[list(h) for h in output.hypotheses] for output in outputs]
         scores = [list(output.scores) for output in outputs]
         attention = [list(output.attention) or [None] * len(output.hypotheses) for output in outputs]
