@@ -61,7 +61,17 @@ kernel launch per node, and at batch 1 that, not the arithmetic, is the cost):
    (`Transformer.decode_step`); `forward.onnx`'s `(batch, len, d_model)`
    projection keeps its `MatMul`.
 
-`simplify(model)` applies all five and drops initializers nothing reads. On
+6. **Reshape shapes computed through int32** (`read_shapes_in_int64`). TensorFlow computes a
+   dynamic reshape's shape in int32 (`tf.shape(x)[:1]` joined with constants), which tf2onnx
+   converts as Shape → Cast(int32) → Slice (→ Squeeze → Unsqueeze) → Concat → Cast(int64) →
+   Reshape. Where every part of the shape is a constant or a slice of one tensor's shape, it
+   becomes `Shape(x, start, end)` (opset 15) joined with int64 constants: the same values
+   (dimensions below 2³¹), three to five kernels fewer per reshape. On the 3+3 `mini` model's
+   beam search: `Loop` body 368 → 341 nodes (333 → 310 after ONNX Runtime's own optimizer,
+   which folds neither); per-step time unchanged within this machine's noise (batch 1 56.4 vs
+   55.7 ms, batch 32 690 vs 689 ms, random weights): these kernels are ~1 µs each.
+
+`simplify(model)` applies all six and drops initializers nothing reads. On
 the `mini` recipe model: `Loop` body 1,555 → 1,258 nodes with rewrites 1 and
 2, 1,114 with 3, 914 with 4; loop state 119 → 24 values. The same tokens
 (scores within 2e-6: ONNX Runtime pre-packs constant matrix operands, sums in
@@ -617,6 +627,117 @@ def _blend_at(add, producers, uses):
     return None
 
 
+def read_shapes_in_int64(model):
+    """`model` (changed in place and returned) with each computed `Reshape` shape read from `Shape`
+    directly, in int64 (module docstring, 6)."""
+    constants = _initializers(model)
+    made = {}  # name of an int32 constant -> its int64 copy in the main graph
+    for graph in all_graphs(model.graph):
+        producers = {name: node for node in graph.node for name in node.output}
+        built = {}  # value name -> (its int64 value, length), computed once per graph
+        for reshape in [node for node in graph.node if node.op_type == "Reshape"]:
+            cast = producers.get(reshape.input[1])
+            if cast is None or cast.op_type != "Cast" or _attribute(cast, "to") != onnx.TensorProto.INT64:
+                continue
+            nodes = []
+            found = _shape_in_int64(cast.input[0], producers, constants, made, model.graph, nodes, built)
+            index = list(graph.node).index(reshape)  # nodes of a failed match too: `built` holds them
+            for offset, node in enumerate(nodes):
+                graph.node.insert(index + offset, node)
+            if found is not None:
+                reshape.input[1] = found[0]
+    _drop_dead_nodes(model.graph)
+    _drop_unused_initializers(model.graph)  # the int64 copies made for a chain left alone
+    return model
+
+
+def _attribute(node, name, default=None):
+    found = next((a for a in node.attribute if a.name == name), None)
+    return default if found is None else helper.get_attribute_value(found)
+
+
+def _shape_in_int64(name, producers, constants, made, main, nodes, built):
+    """`(int64 value name, its length or None)` equal to the int32 vector `name` computed from
+    constants and `Shape` slices (appending the nodes that compute it to `nodes`; `built` holds
+    the values already computed in this graph), or None."""
+    if name not in built:
+        built[name] = _build_shape_in_int64(name, producers, constants, made, main, nodes, built)
+    return built[name]
+
+
+def _build_shape_in_int64(name, producers, constants, made, main, nodes, built):
+    if name in constants:
+        array = numpy_helper.to_array(constants[name])
+        if array.dtype != np.int32 or array.ndim != 1:
+            return None
+        if name not in made:
+            made[name] = _unique(name + "/int64", constants)
+            constants[made[name]] = numpy_helper.from_array(array.astype(np.int64), made[name])
+            main.initializer.append(constants[made[name]])
+        return made[name], len(array)
+    node = producers.get(name)
+    if node is None:
+        return None
+    if node.op_type == "Concat" and _attribute(node, "axis") == 0:
+        parts = [_shape_in_int64(part, producers, constants, made, main, nodes, built) for part in node.input]
+        if any(part is None for part in parts):
+            return None
+        output = _unique(name + "/int64", producers)
+        nodes.append(helper.make_node("Concat", [part[0] for part in parts], [output], name=output, axis=0))
+        lengths = [part[1] for part in parts]
+        return output, None if None in lengths else sum(lengths)
+    if node.op_type == "Unsqueeze":  # of a Squeeze of a one-element vector: that vector
+        squeeze = producers.get(node.input[0])
+        if (
+            squeeze is not None
+            and squeeze.op_type == "Squeeze"
+            and _constant_list(node.input[1:], constants) == [0]
+            and _constant_list(squeeze.input[1:], constants) == [0]
+        ):
+            found = _shape_in_int64(squeeze.input[0], producers, constants, made, main, nodes, built)
+            return found if found is not None and found[1] == 1 else None
+        return None
+    if node.op_type == "Slice":  # of Cast(Shape(x)) to int32, along axis 0 with step 1
+        starts, ends = (_constant_list(node.input[i : i + 1], constants) for i in (1, 2))
+        axes, steps = (_constant_list(node.input[i : i + 1], constants) for i in (3, 4))
+        cast = producers.get(node.input[0])
+        shape = producers.get(cast.input[0]) if cast is not None and cast.op_type == "Cast" else None
+        if (
+            shape is None
+            or shape.op_type != "Shape"
+            or shape.attribute
+            or _attribute(cast, "to") != onnx.TensorProto.INT32
+            or not isinstance(starts, list)
+            or len(starts) != 1
+            or not isinstance(ends, list)
+            or len(ends) != 1
+            or axes not in ((), [0])
+            or steps not in ((), [1])
+        ):
+            return None
+        start, end = starts[0], min(ends[0], 2**62)
+        output = _unique(name + "/int64", producers)
+        nodes.append(helper.make_node("Shape", [shape.input[0]], [output], name=output, start=start, end=end))
+        return output, end - start if 0 <= start <= end < 2**31 else None
+    return None
+
+
+def _constant_list(names, constants):
+    """The values of the constant input `names[0]` as a flat list, `()` if the input is omitted
+    (`names` empty or `[""]`), None if it is not a constant."""
+    if not names or not names[0]:
+        return ()
+    if names[0] not in constants:
+        return None
+    return numpy_helper.to_array(constants[names[0]]).reshape(-1).tolist()
+
+
+def _unique(name, taken):
+    while name in taken:
+        name += "_"
+    return name
+
+
 def tensor_ranks(model):
     """`{value name: rank}` over the model and its subgraphs, where ONNX shape inference knows it."""
     inferred = onnx.shape_inference.infer_shapes(model)
@@ -674,6 +795,7 @@ def simplify(model, layer_norms=True, wheres=True):
     initializers dropped."""
     hoist_loop_invariants(model)
     collapse_tensordots(model)
+    read_shapes_in_int64(model)
     if layer_norms:
         fuse_layer_norms(model)
     if wheres:

@@ -19,6 +19,7 @@ from keras_transformer_export.graph_rewrites import (
     count_nodes,
     fuse_layer_norms,
     hoist_loop_invariants,
+    read_shapes_in_int64,
     read_transposed_weights,
     select_with_where,
 )
@@ -511,3 +512,64 @@ def test_exported_graphs_have_no_where_blend_left(exported):
         assert "Where" in ops, name
         before = count_nodes(model)
         assert count_nodes(select_with_where(model)) == before, name
+
+
+def _int32_reshape_model(step=1, squeeze=False):
+    """`x` (batch, 8) reshaped to `Concat(tf.shape(x)[:1], [2, 4])` as tf2onnx converts TensorFlow's
+    int32 shape arithmetic (module docstring 6 of graph_rewrites), optionally through a
+    Squeeze/Unsqueeze pair or with a Slice step of `step`."""
+
+    def constant(name, values, dtype=np.int64):
+        return numpy_helper.from_array(np.array(values, dtype), name)
+
+    nodes = [
+        helper.make_node("Shape", ["x"], ["shape"]),
+        helper.make_node("Cast", ["shape"], ["shape32"], to=TensorProto.INT32),
+        helper.make_node("Slice", ["shape32", "zero", "one", "zero", "step"], ["batch"]),
+    ]
+    if squeeze:
+        nodes += [
+            helper.make_node("Squeeze", ["batch", "zero"], ["batch_scalar"]),
+            helper.make_node("Unsqueeze", ["batch_scalar", "zero"], ["batch_vector"]),
+        ]
+    nodes += [
+        helper.make_node("Concat", ["batch_vector" if squeeze else "batch", "rest"], ["target32"], axis=0),
+        helper.make_node("Cast", ["target32"], ["target"], to=TensorProto.INT64),
+        helper.make_node("Reshape", ["x", "target"], ["y"], allowzero=1),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "int32_reshape",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 2, 4])],
+        initializer=[
+            constant("zero", [0]),
+            constant("one", [1]),
+            constant("step", [step]),
+            constant("rest", [2, 4], np.int32),
+        ],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("squeeze", [False, True])
+def test_an_int32_reshape_shape_is_read_from_shape_in_int64_with_the_same_result(squeeze):
+    rewritten = read_shapes_in_int64(_int32_reshape_model(squeeze=squeeze))
+    onnx.checker.check_model(rewritten, full_check=True)
+    ops = [node.op_type for node in rewritten.graph.node]
+    assert ops == ["Shape", "Concat", "Reshape"], ops
+    shape = rewritten.graph.node[0]
+    assert {a.name: helper.get_attribute_value(a) for a in shape.attribute} == {"start": 0, "end": 1}
+    for batch in (3, 1, 0):  # an empty batch too: the reshape keeps allowzero
+        x = np.arange(batch * 8, dtype=np.float32).reshape(batch, 8)
+        np.testing.assert_array_equal(_run(rewritten, x=x), x.reshape(batch, 2, 4))
+    # A slice with another step is not a slice of the shape that `Shape(start, end)` reads: left alone.
+    left = read_shapes_in_int64(_int32_reshape_model(step=2))
+    assert len(left.graph.node) == 6 and len(left.graph.initializer) == 4
+
+
+def test_exported_graphs_have_no_int32_reshape_shape_left(exported):
+    for name in ("encoder", "decoder_step", "forward", "translate"):
+        model = onnx.load(str(exported[1] / f"{name}.onnx"))
+        before = count_nodes(model)
+        assert count_nodes(read_shapes_in_int64(model)) == before, name
