@@ -1,0 +1,113 @@
+"""Nodes per decoding step: the beam search's loop body in an ONNX export and in a SavedModel.
+
+For each `translate.onnx` given (an `export --format onnx` directory), the nodes of the main
+graph's `Loop` body (the default request's beam search; the searches with per-request options
+are `Loop`s inside `If` branches, listed in the JSON) as stored and after ONNX Runtime's own
+optimizer (`ORT_ENABLE_ALL`, the session default), with the body's most frequent node
+types; for each SavedModel version directory given, the nodes of the `while` body of its
+`translate_ids` function (all, and without `Const`). Every graph runs these nodes once per decoding step.
+
+    python scripts/count_loop_nodes.py [--onnx EXPORT_DIR ...] [--saved-model VERSION_DIR ...]
+        [--json results/loop_nodes.json]
+"""
+
+import collections
+import os
+import tempfile
+
+import harness
+import onnx
+import onnxruntime
+
+
+def _loop_bodies(graph):
+    """The `Loop` bodies in `graph` and its subgraphs (an `If` branch holds the beam search)."""
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                if node.op_type == "Loop":
+                    yield attribute.g
+                yield from _loop_bodies(attribute.g)
+
+
+def _main_body(model):
+    """The body of the main graph's `Loop`: the default request's beam search."""
+    loop = next(node for node in model.graph.node if node.op_type == "Loop")
+    return next(attribute.g for attribute in loop.attribute if attribute.name == "body")
+
+
+def onnx_counts(export_dir):
+    path = os.path.join(export_dir, "translate.onnx")
+    model = onnx.load(path)
+    stored = _main_body(model)
+    with tempfile.TemporaryDirectory() as directory:
+        optimized_path = os.path.join(directory, "optimized.onnx")
+        options = onnxruntime.SessionOptions()
+        options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.optimized_model_filepath = optimized_path
+        options.log_severity_level = 3
+        onnxruntime.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+        optimized_model = onnx.load(optimized_path)
+        optimized = _main_body(optimized_model)
+    return dict(
+        path=path,
+        loop_body_nodes=len(stored.node),
+        after_onnx_runtime_optimizer=len(optimized.node),
+        every_loop_body=[len(body.node) for body in _loop_bodies(model.graph)],
+        every_loop_body_after_optimizer=[len(body.node) for body in _loop_bodies(optimized_model.graph)],
+        node_types=dict(collections.Counter(node.op_type for node in stored.node).most_common(12)),
+        node_types_after_optimizer=dict(
+            collections.Counter(node.op_type for node in optimized.node).most_common(12)
+        ),
+    )
+
+
+def saved_model_counts(version_dir):
+    from tensorflow.core.protobuf import saved_model_pb2
+
+    saved = saved_model_pb2.SavedModel()
+    with open(os.path.join(version_dir, "saved_model.pb"), "rb") as handle:
+        saved.ParseFromString(handle.read())
+    library = saved.meta_graphs[0].graph_def.library
+    functions = {function.signature.name: function for function in library.function}
+    bodies = [
+        functions[node.attr["body"].func.name]
+        for name, function in functions.items()
+        if name.startswith("__inference_translate_ids")
+        for node in function.node_def
+        if node.op in ("While", "StatelessWhile")
+    ]
+    body = max(bodies, key=lambda function: len(function.node_def))
+    types = collections.Counter(node.op for node in body.node_def)
+    return dict(
+        path=version_dir,
+        while_body_nodes=len(body.node_def),
+        without_const=len(body.node_def) - types["Const"],
+        node_types=dict(types.most_common(12)),
+    )
+
+
+def main():
+    parser = harness.parser(__doc__, "loop_nodes")
+    parser.add_argument("--onnx", nargs="*", default=[], metavar="EXPORT_DIR")
+    parser.add_argument("--saved-model", nargs="*", default=[], metavar="VERSION_DIR")
+    args = parser.parse_args()
+    rows, report = [], dict(onnx=[], saved_model=[])
+    for export_dir in args.onnx:
+        found = onnx_counts(export_dir)
+        report["onnx"].append(found)
+        rows.append([export_dir, "translate.onnx beam search Loop body", found["loop_body_nodes"]])
+        rows.append([export_dir, "  after ONNX Runtime's optimizer", found["after_onnx_runtime_optimizer"]])
+    if args.saved_model:
+        harness.tensorflow()
+    for version_dir in args.saved_model:
+        found = saved_model_counts(version_dir)
+        report["saved_model"].append(found)
+        rows.append([version_dir, "translate_ids while body", found["while_body_nodes"]])
+        rows.append([version_dir, "  without Const", found["without_const"]])
+    harness.print_table(["export", "graph", "nodes per step"], rows)
+    harness.write_report(args.json, **report)
+
+
+if __name__ == "__main__":
+    main()
