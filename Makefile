@@ -37,6 +37,7 @@ test: $(STAMP) lint
 bench: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e ".[bench]"
 	$(BIN)/python scripts/bench_attention.py
+	$(BIN)/python scripts/bench_fused_attention.py
 	$(BIN)/python scripts/bench_decoding.py
 	$(BIN)/python scripts/bench_train.py
 	@if [ -e runs/multi30k/averaged.keras ]; then \
