@@ -3,7 +3,9 @@
 Translates `--sentences` sentences of a split at batch 1 (one at a time) and
 in one batch of 32 with ONNX Runtime's profiling on (`--threads` intra-op
 threads), then sums the kernel times of the profile by op type and prints
-each type's share, calls per decoding step, and the nodes of the `Loop` body.
+each type's share, calls per decoding step, and the nodes of the `Loop` body;
+and by part of the step (`part_of`: the decoder layers, the embedding, the
+output projection with log-softmax, the search's bookkeeping).
 
     python scripts/profile_onnx.py EXPORT_DIR [--data-dir DIR] [--split test2016]
         [--sentences 32] [--threads 2] [--json results/profile_onnx.json]
@@ -38,14 +40,32 @@ def profile(path, batches, threads, step_node):
     with open(trace, encoding="utf-8") as handle:
         events = json.load(handle)
     os.remove(trace)
-    totals, calls, steps = collections.defaultdict(float), 0, 0
+    totals, parts, calls, steps = collections.defaultdict(float), collections.defaultdict(float), 0, 0
     for event in events:
         if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
             steps += event["name"] == f"{step_node}_kernel_time"
             if event["args"]["op_name"] != "Loop":
                 totals[event["args"]["op_name"]] += event["dur"]
+                parts[part_of(event["name"], event["args"]["op_name"])] += event["dur"]
                 calls += 1
-    return totals, calls, max(1, steps)
+    return totals, parts, calls, max(1, steps)
+
+
+PARTS = ("decoder layers", "embedding", "output projection + log-softmax", "search")
+
+
+def part_of(name, op_type):
+    """Which part of a decoding step a node of `translate.onnx` belongs to, from its name (the
+    TensorFlow scope tf2onnx keeps) and type: the decoder stack's layers, the target embedding
+    and positional encoding, the tied output projection and log-softmax, or the search's own
+    bookkeeping (top-k, the beams' gathers, finished hypotheses, the loop's condition)."""
+    if "token_embedding" in name or "positional_encoding" in name:
+        return "embedding"
+    if "decoder" in name:
+        return "decoder layers"
+    if op_type in ("Gemm", "LogSoftmax", "MatMulInteger", "DynamicQuantizeLinear"):
+        return "output projection + log-softmax"
+    return "search"
 
 
 def main():
@@ -76,7 +96,7 @@ def main():
         ("batch 1", [translator.encode([s]) for s in sentences]),
         ("batch 32", [translator.encode(sentences)]),
     ):
-        totals, calls, steps = profile(path, batches, args.threads, step_node)
+        totals, parts, calls, steps = profile(path, batches, args.threads, step_node)
         busy = sum(totals.values())
         print(
             f"\n{label}: {steps} decoding steps, {calls / steps:.0f} kernel calls and "
@@ -87,7 +107,16 @@ def main():
             ["op type", "share", "ms per step"],
             [[op, f"{100 * micros / busy:.1f}%", f"{micros / steps / 1000:.3f}"] for op, micros in top],
         )
+        print()
+        harness.print_table(
+            ["part of the step", "share", "ms per step"],
+            [
+                [part, f"{100 * parts[part] / busy:.1f}%", f"{parts[part] / steps / 1000:.3f}"]
+                for part in PARTS
+            ],
+        )
         report[label] = {
+            "part_share_percent": {part: 100 * parts[part] / busy for part in PARTS},
             "steps": steps,
             "kernel_calls_per_step": calls / steps,
             "kernel_ms_per_step": busy / steps / 1000,
