@@ -3,40 +3,28 @@ lines, run into a new virtual environment with this checkout as the package, giv
 cannot import TensorFlow or Keras and translates an ONNX export (every mode) and a CTranslate2
 export exactly as the full install does.
 
-The packages come from the package index (or pip's cache), as `make install`'s do.
+The packages come from the package index (or pip's cache), as `make install`'s do; the lines
+are read and run by `scripts/runtime_install_size.py`'s functions, which also measure the
+install's size.
 """
 
 import os
-import shlex
 import subprocess
 import sys
-import venv
 
 import pytest
-from test_docs import code_blocks
 
 pytest.importorskip("ctranslate2")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOCUMENT = "docs/deployment.md"
-PACKAGE = "path/to/keras-transformer"  # the documented line's stand-in for the checkout
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+from runtime_install_size import documented_pip_lines, install  # noqa: E402
+
 HEAVY = ("tensorflow", "tensorflow_text", "keras", "tf2onnx", "jax")
 
 
-def documented_block():
-    """The bash block of docs/deployment.md that this test runs (its `not run` reason names it)."""
-    [block] = [code for _, _, code, reason in code_blocks(DOCUMENT) if reason and __name__ in reason]
-    return block
-
-
 def pip_lines():
-    """The block's `pip install` lines as argument lists (comments dropped, the checkout's path in)."""
-    lines = []
-    for line in documented_block().splitlines():
-        words = shlex.split(line, comments=True)
-        if words[:2] == ["pip", "install"]:
-            lines.append([ROOT if word == PACKAGE else word for word in words[2:]])
-    return lines
+    return documented_pip_lines(ROOT)
 
 
 def test_the_documented_install_names_the_package_last_without_its_dependencies():
@@ -52,20 +40,9 @@ def test_the_documented_install_names_the_package_last_without_its_dependencies(
 
 @pytest.fixture(scope="module")
 def runtime_python(tmp_path_factory):
-    """The Python of a new virtual environment holding only the documented runtime install."""
-    directory = tmp_path_factory.mktemp("runtime-env") / "env"
-    venv.EnvBuilder(with_pip=True).create(directory)
-    python = str(directory / "bin" / "python")
-    for arguments in pip_lines():
-        completed = subprocess.run(
-            [python, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *arguments],
-            capture_output=True,
-            text=True,
-            timeout=600,
-            cwd=ROOT,
-        )
-        assert completed.returncode == 0, f"pip install {' '.join(arguments)}:\n{completed.stderr[-3000:]}"
-    return python
+    """The Python of a new virtual environment holding only the documented runtime install
+    (`scripts/runtime_install_size.py` installs the same lines to measure its size)."""
+    return install(tmp_path_factory.mktemp("runtime-env") / "env", pip_lines())
 
 
 @pytest.fixture(scope="module")
