@@ -188,9 +188,7 @@ def store_constants_once(model):
         for init in list(graph.initializer):
             key = _tensor_key(init)
             if key not in stored:
-                name = init.name
-                while name in taken:
-                    name += "_"
+                name = _unique(init.name, taken)
                 moved = onnx.TensorProto()
                 moved.CopyFrom(init)
                 moved.name = name
@@ -631,19 +629,17 @@ def read_shapes_in_int64(model):
     """`model` (changed in place and returned) with each computed `Reshape` shape read from `Shape`
     directly, in int64 (module docstring, 6)."""
     constants = _initializers(model)
-    made = {}  # name of an int32 constant -> its int64 copy in the main graph
     for graph in all_graphs(model.graph):
-        producers = {name: node for node in graph.node for name in node.output}
-        built = {}  # value name -> (its int64 value, length), computed once per graph
+        in_int64 = _ShapesInInt64(graph, constants, model.graph)
         for reshape in [node for node in graph.node if node.op_type == "Reshape"]:
-            cast = producers.get(reshape.input[1])
+            cast = in_int64.producers.get(reshape.input[1])
             if cast is None or cast.op_type != "Cast" or _attribute(cast, "to") != onnx.TensorProto.INT64:
                 continue
-            nodes = []
-            found = _shape_in_int64(cast.input[0], producers, constants, made, model.graph, nodes, built)
-            index = list(graph.node).index(reshape)  # nodes of a failed match too: `built` holds them
-            for offset, node in enumerate(nodes):
+            found = in_int64.value(cast.input[0])
+            index = list(graph.node).index(reshape)  # the nodes of a failed match too: they are kept
+            for offset, node in enumerate(in_int64.new_nodes):
                 graph.node.insert(index + offset, node)
+            in_int64.new_nodes = []
             if found is not None:
                 reshape.input[1] = found[0]
     _drop_dead_nodes(model.graph)
@@ -656,70 +652,79 @@ def _attribute(node, name, default=None):
     return default if found is None else helper.get_attribute_value(found)
 
 
-def _shape_in_int64(name, producers, constants, made, main, nodes, built):
-    """`(int64 value name, its length or None)` equal to the int32 vector `name` computed from
-    constants and `Shape` slices (appending the nodes that compute it to `nodes`; `built` holds
-    the values already computed in this graph), or None."""
-    if name not in built:
-        built[name] = _build_shape_in_int64(name, producers, constants, made, main, nodes, built)
-    return built[name]
+class _ShapesInInt64:
+    """The int64 values equal to a graph's int32 shape vectors computed from constants and `Shape`
+    slices (`read_shapes_in_int64`); each built once, its nodes collected in `new_nodes` for the
+    caller to insert, its int64 constants added to `main`'s initializers."""
 
+    def __init__(self, graph, constants, main):
+        self.producers = {name: node for node in graph.node for name in node.output}
+        self.constants, self.main = constants, main
+        self.built = {}  # value name -> (int64 value name, length or None), or None
+        self.new_nodes = []
 
-def _build_shape_in_int64(name, producers, constants, made, main, nodes, built):
-    if name in constants:
-        array = numpy_helper.to_array(constants[name])
-        if array.dtype != np.int32 or array.ndim != 1:
+    def value(self, name):
+        """`(int64 value name, its length or None)` equal to the int32 vector `name`, or None."""
+        if name not in self.built:
+            self.built[name] = self._build(name)
+        return self.built[name]
+
+    def _new(self, op_type, inputs, name, **attributes):
+        output = _unique(name + "/int64", self.producers)
+        self.new_nodes.append(helper.make_node(op_type, inputs, [output], name=output, **attributes))
+        return output
+
+    def _build(self, name):
+        constants = self.constants
+        if name in constants:  # an int32 constant: its int64 copy, in the main graph
+            array = numpy_helper.to_array(constants[name])
+            if array.dtype != np.int32 or array.ndim != 1:
+                return None
+            copy = _unique(name + "/int64", constants)
+            constants[copy] = numpy_helper.from_array(array.astype(np.int64), copy)
+            self.main.initializer.append(constants[copy])
+            return copy, len(array)
+        node = self.producers.get(name)
+        if node is None:
             return None
-        if name not in made:
-            made[name] = _unique(name + "/int64", constants)
-            constants[made[name]] = numpy_helper.from_array(array.astype(np.int64), made[name])
-            main.initializer.append(constants[made[name]])
-        return made[name], len(array)
-    node = producers.get(name)
-    if node is None:
+        if node.op_type == "Concat" and _attribute(node, "axis") == 0:
+            parts = [self.value(part) for part in node.input]
+            if any(part is None for part in parts):
+                return None
+            lengths = [part[1] for part in parts]
+            output = self._new("Concat", [part[0] for part in parts], name, axis=0)
+            return output, None if None in lengths else sum(lengths)
+        if node.op_type == "Unsqueeze":  # of a Squeeze of a one-element vector: that vector
+            squeeze = self.producers.get(node.input[0])
+            if (
+                squeeze is not None
+                and squeeze.op_type == "Squeeze"
+                and _constant_list(node.input[1:], constants) == [0]
+                and _constant_list(squeeze.input[1:], constants) == [0]
+            ):
+                found = self.value(squeeze.input[0])
+                return found if found is not None and found[1] == 1 else None
+            return None
+        if node.op_type == "Slice":  # of Cast(Shape(x)) to int32, along axis 0 with step 1
+            inputs = [node.input[i : i + 1] for i in range(1, 5)]
+            starts, ends, axes, steps = (_constant_list(names, constants) for names in inputs)
+            cast = self.producers.get(node.input[0])
+            shape = self.producers.get(cast.input[0]) if cast is not None and cast.op_type == "Cast" else None
+            if (
+                shape is None
+                or shape.op_type != "Shape"
+                or shape.attribute
+                or _attribute(cast, "to") != onnx.TensorProto.INT32
+                or not (isinstance(starts, list) and len(starts) == 1)
+                or not (isinstance(ends, list) and len(ends) == 1)
+                or axes not in ((), [0])
+                or steps not in ((), [1])
+            ):
+                return None
+            start, end = starts[0], min(ends[0], 2**62)
+            output = self._new("Shape", [shape.input[0]], name, start=start, end=end)
+            return output, end - start if 0 <= start <= end < 2**31 else None
         return None
-    if node.op_type == "Concat" and _attribute(node, "axis") == 0:
-        parts = [_shape_in_int64(part, producers, constants, made, main, nodes, built) for part in node.input]
-        if any(part is None for part in parts):
-            return None
-        output = _unique(name + "/int64", producers)
-        nodes.append(helper.make_node("Concat", [part[0] for part in parts], [output], name=output, axis=0))
-        lengths = [part[1] for part in parts]
-        return output, None if None in lengths else sum(lengths)
-    if node.op_type == "Unsqueeze":  # of a Squeeze of a one-element vector: that vector
-        squeeze = producers.get(node.input[0])
-        if (
-            squeeze is not None
-            and squeeze.op_type == "Squeeze"
-            and _constant_list(node.input[1:], constants) == [0]
-            and _constant_list(squeeze.input[1:], constants) == [0]
-        ):
-            found = _shape_in_int64(squeeze.input[0], producers, constants, made, main, nodes, built)
-            return found if found is not None and found[1] == 1 else None
-        return None
-    if node.op_type == "Slice":  # of Cast(Shape(x)) to int32, along axis 0 with step 1
-        starts, ends = (_constant_list(node.input[i : i + 1], constants) for i in (1, 2))
-        axes, steps = (_constant_list(node.input[i : i + 1], constants) for i in (3, 4))
-        cast = producers.get(node.input[0])
-        shape = producers.get(cast.input[0]) if cast is not None and cast.op_type == "Cast" else None
-        if (
-            shape is None
-            or shape.op_type != "Shape"
-            or shape.attribute
-            or _attribute(cast, "to") != onnx.TensorProto.INT32
-            or not isinstance(starts, list)
-            or len(starts) != 1
-            or not isinstance(ends, list)
-            or len(ends) != 1
-            or axes not in ((), [0])
-            or steps not in ((), [1])
-        ):
-            return None
-        start, end = starts[0], min(ends[0], 2**62)
-        output = _unique(name + "/int64", producers)
-        nodes.append(helper.make_node("Shape", [shape.input[0]], [output], name=output, start=start, end=end))
-        return output, end - start if 0 <= start <= end < 2**31 else None
-    return None
 
 
 def _constant_list(names, constants):

@@ -29,13 +29,19 @@ feed-forward sublayers, norms, output projection and search are not in these gra
         [--steps 40 --source 20 --threads 2 --repeat 40] [--json results/bench_fused_attention.json]
 """
 
+import os
+import shutil
 import statistics
+import tempfile
 import time
 
 import harness
 import numpy as np
+import onnx
 import onnxruntime
 from onnx import TensorProto, helper, numpy_helper
+
+from keras_transformer_export.onnx_runtime import make_session
 
 FLOAT = TensorProto.FLOAT
 SETTLE_SECONDS = 0.05  # a pause before each timed run: the other session's threads stop spinning
@@ -223,13 +229,11 @@ def feeds(d_model, heads, layers, sentences, beam, past, source, seed=1):
     return out
 
 
-def session(model, threads):
-    options = onnxruntime.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.log_severity_level = 3
-    return onnxruntime.InferenceSession(
-        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
-    )
+def session(model, threads, directory):
+    """An ONNX Runtime session of `model` (saved into `directory`) with `threads` intra-op threads."""
+    path = os.path.join(directory, f"{model.graph.name}-{id(model)}.onnx")
+    onnx.save(model, path)
+    return make_session(path, threads)
 
 
 def main():
@@ -248,7 +252,9 @@ def main():
     shape = (args.d_model, args.heads, args.layers)
     steps = {name: build(name == "fused", *shape) for name in ("unfused", "fused")}
     models = {name: loop_model(step, args.layers, args.steps) for name, step in steps.items()}
-    sessions = {name: session(model, args.threads) for name, model in models.items()}
+    directory = tempfile.mkdtemp()
+    sessions = {name: session(model, args.threads, directory) for name, model in models.items()}
+    shutil.rmtree(directory)
     rows = []
     for sentences in (1, 32):
         inputs = feeds(*shape, sentences, args.beam, 1, args.source)

@@ -19,15 +19,19 @@ import harness
 import onnx
 import onnxruntime
 
+from keras_transformer_export.graph_rewrites import all_graphs
+
 
 def _loop_bodies(graph):
-    """The `Loop` bodies in `graph` and its subgraphs (an `If` branch holds the beam search)."""
-    for node in graph.node:
-        for attribute in node.attribute:
-            if attribute.type == onnx.AttributeProto.GRAPH:
-                if node.op_type == "Loop":
-                    yield attribute.g
-                yield from _loop_bodies(attribute.g)
+    """The `Loop` bodies in `graph` and its subgraphs (an `If` branch holds a search with options)."""
+    return [
+        attribute.g
+        for g in all_graphs(graph)
+        for node in g.node
+        if node.op_type == "Loop"
+        for attribute in node.attribute
+        if attribute.name == "body"
+    ]
 
 
 def _main_body(model):
