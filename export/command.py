@@ -4,6 +4,7 @@
     keras-transformer export --model runs/NAME --format saved_model|onnx|ctranslate2 --out DIR
                              [--name NAME] [--version N] [--quantization float32|int8]
                              [--max-bleu-drop 1.0] [--force] [--overwrite]
+                             [--xla [--xla-batch-sizes 1,2,4,8,16,32] [--xla-source-lengths 16,32,64,128]]
 """
 
 import os
@@ -61,6 +62,25 @@ def add_export_command(commands):
     )
     export.add_argument("--data-dir", help="onnx int8: its local copy (default: the run's)")
     export.add_argument(
+        "--xla",
+        action="store_true",
+        help="saved_model: add the translate_xla signature, its search compiled by XLA on "
+        "bucketed shapes, with a warmup record per bucket (serve with TF Serving's "
+        "--xla_cpu_compilation_enabled=true; docs/deployment.md)",
+    )
+    export.add_argument(
+        "--xla-batch-sizes",
+        type=_sizes,
+        help="--xla: the batch sizes compiled, comma-separated (default 1,2,4,8,16,32; "
+        "larger batches run in chunks of the largest)",
+    )
+    export.add_argument(
+        "--xla-source-lengths",
+        type=_sizes,
+        help="--xla: the source lengths in tokens compiled, comma-separated (default "
+        "16,32,64,128; the model's max_length is always added)",
+    )
+    export.add_argument(
         "--out",
         required=True,
         help="saved_model: the TF Serving base directory (writes OUT/NAME/VERSION and "
@@ -78,6 +98,48 @@ def add_export_command(commands):
         help="replace an existing version (saved_model) or directory (onnx, ctranslate2)",
     )
     export.set_defaults(handler=_export)
+
+
+def _sizes(text):
+    """A comma-separated list of integers >= 1, for argparse."""
+    import argparse
+
+    try:
+        sizes = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected integers >= 1 separated by commas, e.g. 1,8,32; got {text!r}"
+        )
+    return sizes
+
+
+def _xla_buckets(args):
+    """The `XlaBuckets` that `--xla` and its sizes ask for, None without `--xla`."""
+    from keras_transformer.utils.checks import UserError
+
+    sizes = [
+        flag
+        for flag, value in (
+            ("--xla-batch-sizes", args.xla_batch_sizes),
+            ("--xla-source-lengths", args.xla_source_lengths),
+        )
+        if value
+    ]
+    if (args.xla or sizes) and args.format != "saved_model":
+        raise UserError(
+            f"--xla is for --format saved_model (TF Serving); drop it for --format {args.format}."
+        )
+    if sizes and not args.xla:
+        verb, them = ("needs", "it") if len(sizes) == 1 else ("need", "them")
+        raise UserError(f"{' and '.join(sizes)} {verb} --xla; add --xla, or drop {them}.")
+    if not args.xla:
+        return None
+    from keras_transformer_export.xla_serving import XlaBuckets
+
+    given = {"batch_sizes": args.xla_batch_sizes, "source_lengths": args.xla_source_lengths}
+    return XlaBuckets(**{name: value for name, value in given.items() if value})
 
 
 def _export(args):
@@ -109,6 +171,7 @@ def _export(args):
             f"BLEU); drop {'it' if len(gate_options) == 1 else 'them'} or add "
             f"--quantization int8."
         )
+    xla = _xla_buckets(args)
     if args.checkpoint is None:  # the run and its model file, or one line on what is missing
         run = resolve_model(args.model)[0]
     else:  # the checkpoint is looked for once the destination is known to be free
@@ -137,7 +200,7 @@ def _export(args):
             length_penalty=args.length_penalty,
             max_extra_length=args.max_extra_length,
         )
-        return _write_export(args, graphs, name, run)
+        return _write_export(args, graphs, name, run, xla)
 
 
 def _write_ctranslate2(args, model, tokenizer):
@@ -163,18 +226,22 @@ def _write_ctranslate2(args, model, tokenizer):
     return 0
 
 
-def _write_export(args, graphs, name, run):
+def _write_export(args, graphs, name, run, xla=None):
     start = time.perf_counter()
     if args.format == "saved_model":
         from keras_transformer_export.saved_model import export_saved_model
 
-        path = export_saved_model(graphs, args.out, name, version=args.version, overwrite=args.overwrite)
+        path = export_saved_model(
+            graphs, args.out, name, version=args.version, overwrite=args.overwrite, xla=xla
+        )
         print(
             f"Wrote the SavedModel {path} in {time.perf_counter() - start:.0f}s (signatures "
-            f"serving_default, translate_ids, score, translate_with_options) and "
+            f"serving_default, translate_ids, score, translate_with_options"
+            f"{'' if xla is None else ', translate_xla'}) and "
             f"{os.path.join(args.out, 'models.config')}.\n"
             f"Serve it: docker run -p 8501:8501 -v {os.path.abspath(args.out)}:/models "
-            f"-e MODEL_NAME={name} tensorflow/serving",
+            f"-e MODEL_NAME={name} tensorflow/serving"
+            f"{'' if xla is None else ' --xla_cpu_compilation_enabled=true'}",
             file=sys.stderr,
         )
     else:

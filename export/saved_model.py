@@ -13,6 +13,7 @@ stock `tensorflow/serving` binary includes) and these signatures:
 | `translate_ids`   | `source_ids` int32 (-1, -1)        | `target_ids` int32 (-1, -1), `scores` float32 (-1) |
 | `score`           | `source`, `target` string (-1)     | `log_likelihood` float32 (-1)                    |
 | `translate_with_options` | `text`, `target_prefix` string (-1), `suppress_sequences` string (-1), one scalar per `DecodingOptions` field | `translations`, `alignments` string (-1, n), `scores`, `log_probs` float32 (-1, n) |
+| `translate_xla` (only with `xla=`) | `text` string (-1) | as `serving_default`; the search compiled by XLA on bucketed shapes (`keras_transformer_export.xla_serving`) |
 
 `serving_default` and `translate_ids` decode with the export's options;
 `translate_with_options` takes them per request (TF Serving needs every input
@@ -31,10 +32,12 @@ no content (empty, spaces, tabs, control characters) translates to "" with
 score 0, without a search. Every input gives exactly one output.
 """
 
+import dataclasses
 import os
 
 import keras
 
+from keras_transformer_export import xla_serving
 from keras_transformer_export.graphs import TranslationGraphs
 from keras_transformer_export.layout import (
     atomic_directory,
@@ -56,7 +59,7 @@ SIGNATURES = (
 )
 
 
-def export_saved_model(graphs, out_dir, name, version=None, overwrite=False):
+def export_saved_model(graphs, out_dir, name, version=None, overwrite=False, xla=None):
     """Writes `graphs` (a `TranslationGraphs`) as `out_dir/name/version/`; returns that path.
 
     Args:
@@ -65,10 +68,15 @@ def export_saved_model(graphs, out_dir, name, version=None, overwrite=False):
         name: the model name (TF Serving's `model_name`).
         version: a positive integer; default one more than the highest there.
         overwrite: replace an existing version (else a `UserError`).
+        xla: None, or the `XlaBuckets` of a `translate_xla` signature compiled by XLA (for
+            TF Serving with `--xla_cpu_compilation_enabled=true`; its warmup records compile
+            every bucket at load: `keras_transformer_export.xla_serving`).
     """
     if not isinstance(graphs, TranslationGraphs):
         raise TypeError(f"graphs must be a TranslationGraphs; got {graphs!r}.")
     check_model_name(name)
+    if xla is not None:
+        xla = xla.for_model(graphs.config.max_length)  # a bad bucket is refused before the work
     model_dir = os.path.join(out_dir, name)
     if version is None:
         version = next_version(model_dir)
@@ -78,9 +86,14 @@ def export_saved_model(graphs, out_dir, name, version=None, overwrite=False):
         archive.track(graphs.model)
         for signature, function in SIGNATURES:
             archive.add_endpoint(signature, graphs.function(function))
+        requests = warmup_requests(graphs, name)
+        if xla is not None:
+            archive.add_endpoint(xla_serving.SIGNATURE, xla_serving.translate_xla_function(graphs, xla))
+            requests += xla_serving.warmup_requests(graphs, name, xla)
         archive.write_out(temporary, verbose=False)
-        graphs.write_assets(os.path.join(temporary, "assets.extra"))  # TF Serving ignores it
-        write_warmup_requests(temporary, warmup_requests(graphs, name))
+        extra = {} if xla is None else {"xla_buckets": dataclasses.asdict(xla)}
+        graphs.write_assets(os.path.join(temporary, "assets.extra"), **extra)  # TF Serving ignores it
+        write_warmup_requests(temporary, requests)
     write_models_config(out_dir)
     write_batching_parameters(out_dir)
     return path

@@ -167,7 +167,8 @@ def small_corpus(synthetic_files, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def exported(trained_run, tmp_path_factory):
-    """`keras-transformer export` of the tiny run, both formats: `(serving base dir, onnx dir)`."""
+    """`keras-transformer export` of the tiny run, both formats: `(serving base dir, onnx dir)`;
+    the SavedModel with the `translate_xla` signature."""
     from keras_transformer import cli
 
     directory = tmp_path_factory.mktemp("exports")
@@ -184,6 +185,12 @@ def exported(trained_run, tmp_path_factory):
                 str(serving),
                 "--name",
                 "tiny",
+                # translate_xla too (tests/test_serving.py): 2 x 2 buckets, source lengths 16 and 128
+                "--xla",
+                "--xla-batch-sizes",
+                "1,8",
+                "--xla-source-lengths",
+                "16",
             ]
         )
         == 0

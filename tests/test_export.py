@@ -157,11 +157,42 @@ def test_fresh_process_and_tf_serving_session_match_translate_cli(
 TF_TEXT_OPS = os.path.join(ROOT, "export", "tf_text_ops_2.20.0.json")
 
 
+def _reachable_functions(meta_graph, signatures):
+    """Names of the library functions that the `signatures` of a MetaGraphDef can call."""
+    library = {f.signature.name: f for f in meta_graph.graph_def.library.function}
+    nodes = {node.name: node for node in meta_graph.graph_def.node}
+
+    def called(node_defs):
+        for node in node_defs:
+            for value in node.attr.values():
+                for function in [value.func, *value.list.func]:
+                    if function.name:
+                        yield function.name
+            if node.op in library:
+                yield node.op
+
+    pending = []
+    for name in signatures:  # a signature's outputs are the top-level call nodes' tensors
+        for tensor in meta_graph.signature_def[name].outputs.values():
+            pending.extend(called([nodes[tensor.name.split(":")[0]]]))
+    reached = set()
+    while pending:
+        name = pending.pop()
+        if name not in reached and name in library:
+            reached.add(name)
+            pending.extend(called(library[name].node_def))
+    return reached
+
+
+PLAIN_SIGNATURES = ("serving_default", "translate_ids", "score", "translate_with_options")
+
+
 def test_serving_graph_has_no_xla_and_only_ops_tf_serving_2_20_has(exported):
-    """Static check of saved_model.pb: no function or node marked for XLA (TF Serving runs
-    without XLA unless a flag enables it, and a `jit_compile` function then fails on its first
-    call), and every op that is not TensorFlow's own is a tf-text 2.20.0 op whose definition
-    there has all the attributes the node sets (else: "NodeDef mentions attr ... not in Op")."""
+    """Static check of saved_model.pb: no function or node that the plain signatures can reach
+    is marked for XLA (TF Serving runs without XLA unless a flag enables it, and a `jit_compile`
+    function then fails on its first call; only `translate_xla` reaches one), and every op that
+    is not TensorFlow's own is a tf-text 2.20.0 op whose definition there has all the attributes
+    the node sets (else: "NodeDef mentions attr ... not in Op")."""
     from tensorflow.core.protobuf import saved_model_pb2
 
     saved_model = saved_model_pb2.SavedModel()
@@ -171,13 +202,20 @@ def test_serving_graph_has_no_xla_and_only_ops_tf_serving_2_20_has(exported):
     nodes = list(meta_graph.graph_def.node) + [node for f in functions for node in f.node_def]
     function_names = {f.signature.name for f in functions}
     xla_attrs = ("_XlaMustCompile", "_XlaCompile", "_XlaScope", "_noinline_xla")
-    marked = [f.signature.name for f in functions if f.attr["_XlaMustCompile"].b]
-    marked += [
-        node.name
-        for node in nodes
-        if any(node.attr[a].b for a in xla_attrs if a in node.attr) or node.op.startswith(("Xla", "_Xla"))
-    ]
-    assert marked == []
+
+    def marked(names):
+        chosen = [f for f in functions if f.signature.name in names]
+        found = [f.signature.name for f in chosen if f.attr["_XlaMustCompile"].b]
+        return found + [
+            node.name
+            for node in (node for f in chosen for node in f.node_def)
+            if any(node.attr[a].b for a in xla_attrs if a in node.attr) or node.op.startswith(("Xla", "_Xla"))
+        ]
+
+    plain = _reachable_functions(meta_graph, PLAIN_SIGNATURES)
+    assert plain and marked(plain) == []
+    assert set(meta_graph.signature_def) == {*PLAIN_SIGNATURES, "translate_xla", "__saved_model_init_op"}
+    assert marked(_reachable_functions(meta_graph, ["translate_xla"])), "translate_xla compiles nothing"
     inventory = json.loads(pathlib.Path(TF_TEXT_OPS).read_text(encoding="utf-8"))
     assert inventory["tensorflow_text"] == "2.20.0"
     foreign = {}
@@ -530,3 +568,22 @@ def test_cache_graph_names_follow_the_decoding_cache_contract():
     names = cache_names.cache_input_names(3)
     assert [name.replace("past_", "self_") for name in names] == cache.flat()
     assert cache_names.past_names(3) + cache_names.cross_names(3) == names
+
+
+def test_xla_options_are_refused_where_they_do_not_apply(tmp_path, capsys):
+    """`--xla` is a SavedModel option; its sizes need it and must be integers >= 1: one line each,
+    before any model is loaded (the model path does not even exist)."""
+    from keras_transformer_export.xla_serving import XlaBuckets
+
+    missing = ["export", "--model", str(tmp_path / "none"), "--out", str(tmp_path / "out")]
+    assert cli.main([*missing, "--format", "onnx", "--xla"]) == 2
+    assert "--xla is for --format saved_model" in capsys.readouterr().err
+    assert cli.main([*missing, "--format", "saved_model", "--xla-batch-sizes", "1,8"]) == 2
+    assert "--xla-batch-sizes needs --xla" in capsys.readouterr().err
+    for sizes in ("0,8", "1,a", ""):
+        with pytest.raises(SystemExit):
+            cli.main([*missing, "--format", "saved_model", "--xla", "--xla-source-lengths", sizes])
+        assert "expected integers >= 1" in capsys.readouterr().err
+    assert XlaBuckets((32, 1, 8, 8), (500, 16)).for_model(256) == XlaBuckets((1, 8, 32), (16, 256))
+    with pytest.raises(UserError, match="XLA batch sizes must be integers >= 1"):
+        XlaBuckets((), (16,)).for_model(256)
