@@ -48,21 +48,28 @@ WARMUP_SENTENCES = (
 )
 
 
+def predict_request(model_name, signature, **inputs):
+    """A TF Serving `PredictRequest` for `signature` of `model_name`, with `inputs` (name -> array)."""
+    import tensorflow as tf
+    from tensorflow_serving.apis import predict_pb2
+
+    message = predict_pb2.PredictRequest()
+    message.model_spec.name = model_name
+    message.model_spec.signature_name = signature
+    for name, value in inputs.items():
+        message.inputs[name].CopyFrom(tf.make_tensor_proto(value))
+    return message
+
+
 def warmup_requests(graphs, model_name):
     """`PredictRequest`s for `graphs` (a `TranslationGraphs`) as TF Serving will receive them."""
     import numpy as np
     import tensorflow as tf
-    from tensorflow_serving.apis import predict_pb2
 
     from keras_transformer.decoding.translator import option_tensors
 
     def request(signature, **inputs):
-        message = predict_pb2.PredictRequest()
-        message.model_spec.name = model_name
-        message.model_spec.signature_name = signature
-        for name, value in inputs.items():
-            message.inputs[name].CopyFrom(tf.make_tensor_proto(value))
-        return message
+        return predict_request(model_name, signature, **inputs)
 
     full_length = " ".join(["word"] * graphs.config.max_length)  # at least max_length pieces: cut
     source_ids = graphs.source_ids(tf.constant(list(WARMUP_SENTENCES[:4]))).numpy()

@@ -150,16 +150,12 @@ def bucket_sentences(tokenizer, buckets, max_length):
 
 def warmup_requests(graphs, model_name, buckets=XlaBuckets()):
     """TF Serving `PredictRequest`s for `translate_xla`: one per `(batch, source length)` bucket."""
-    from tensorflow_serving.apis import predict_pb2
+    from keras_transformer_export.tf_serving import predict_request
 
     buckets = buckets.for_model(graphs.config.max_length)
     sentences = bucket_sentences(graphs.tokenizer, buckets, graphs.config.max_length)
-    requests = []
-    for batch in buckets.batch_sizes:
-        for sentence in sentences:
-            message = predict_pb2.PredictRequest()
-            message.model_spec.name = model_name
-            message.model_spec.signature_name = SIGNATURE
-            message.inputs["text"].CopyFrom(tf.make_tensor_proto(np.array([sentence] * batch, object)))
-            requests.append(message)
-    return requests
+    return [
+        predict_request(model_name, SIGNATURE, text=np.array([sentence] * batch, object))
+        for batch in buckets.batch_sizes
+        for sentence in sentences
+    ]
