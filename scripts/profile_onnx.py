@@ -3,12 +3,12 @@
 Translates `--sentences` sentences of a split at batch 1 (one at a time) and
 in one batch of 32 with ONNX Runtime's profiling on (`--threads` intra-op
 threads), then sums the kernel times of the profile by op type and prints
-each type's share, calls per decoding step, and the nodes of the `Loop` body;
-and by part of the step (`part_of`: the decoder layers, the embedding, the
+each type's share, calls per decoding step, the nodes of the `Loop` body and
+the `--top-nodes` slowest nodes; and by part of the step (`part_of`: the decoder layers, the embedding, the
 output projection with log-softmax, the search's bookkeeping).
 
     python scripts/profile_onnx.py EXPORT_DIR [--data-dir DIR] [--split test2016]
-        [--sentences 32] [--threads 2] [--json results/profile_onnx.json]
+        [--sentences 32] [--threads 2] [--top-nodes 25] [--json results/profile_onnx.json]
 """
 
 import collections
@@ -24,7 +24,8 @@ from keras_transformer_export.onnx_runtime import OnnxTranslator, read_metadata 
 
 
 def profile(path, batches, threads, step_node):
-    """`({op type: microseconds}, kernel calls, decoding steps)` over `batches` of source ids.
+    """`({op type: microseconds}, {part: microseconds}, {node: (op type, microseconds)}, kernel
+    calls, decoding steps)` over `batches` of source ids.
 
     Kernel times of the `Loop` body's nodes are recorded on their own, so the
     `Loop` node's own time (which contains them) is left out; the number of
@@ -41,14 +42,16 @@ def profile(path, batches, threads, step_node):
         events = json.load(handle)
     os.remove(trace)
     totals, parts, calls, steps = collections.defaultdict(float), collections.defaultdict(float), 0, 0
+    nodes = collections.defaultdict(float)
     for event in events:
         if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
             steps += event["name"] == f"{step_node}_kernel_time"
             if event["args"]["op_name"] != "Loop":
                 totals[event["args"]["op_name"]] += event["dur"]
                 parts[part_of(event["name"], event["args"]["op_name"])] += event["dur"]
+                nodes[(event["name"][: -len("_kernel_time")], event["args"]["op_name"])] += event["dur"]
                 calls += 1
-    return totals, parts, calls, max(1, steps)
+    return totals, parts, nodes, calls, max(1, steps)
 
 
 PARTS = ("decoder layers", "embedding", "output projection + log-softmax", "search")
@@ -76,6 +79,7 @@ def main():
     parser.add_argument("--source-lang", default="en")
     parser.add_argument("--sentences", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--top-nodes", type=int, default=25, help="the slowest nodes to list")
     args = parser.parse_args()
     path = os.path.join(args.export_dir, "translate.onnx")
     model = onnx.load(path)
@@ -96,7 +100,7 @@ def main():
         ("batch 1", [translator.encode([s]) for s in sentences]),
         ("batch 32", [translator.encode(sentences)]),
     ):
-        totals, parts, calls, steps = profile(path, batches, args.threads, step_node)
+        totals, parts, nodes, calls, steps = profile(path, batches, args.threads, step_node)
         busy = sum(totals.values())
         print(
             f"\n{label}: {steps} decoding steps, {calls / steps:.0f} kernel calls and "
@@ -115,12 +119,25 @@ def main():
                 for part in PARTS
             ],
         )
+        print()
+        slowest = sorted(nodes.items(), key=lambda item: -item[1])[: args.top_nodes]
+        harness.print_table(
+            ["node", "op type", "part", "share", "ms per step"],
+            [
+                [name[-60:], op, part_of(name, op), f"{100 * us / busy:.1f}%", f"{us / steps / 1000:.3f}"]
+                for (name, op), us in slowest
+            ],
+        )
         report[label] = {
             "part_share_percent": {part: 100 * parts[part] / busy for part in PARTS},
             "steps": steps,
             "kernel_calls_per_step": calls / steps,
             "kernel_ms_per_step": busy / steps / 1000,
             "op_share_percent": {k: 100 * v / busy for k, v in totals.items()},
+            "slowest_nodes": [
+                {"node": name, "op_type": op, "part": part_of(name, op), "share_percent": 100 * us / busy}
+                for (name, op), us in slowest
+            ],
         }
     harness.write_report(args.json, settings=vars(args), **report)
 
