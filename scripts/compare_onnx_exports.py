@@ -51,6 +51,7 @@ def main():
         name: OnnxTranslator(path, "full", threads=args.threads)
         for name, path in (("before", args.before), ("after", args.after))
     }
+    # The compared outputs; this first pass is also each session's warm-up before the timing.
     outputs = {name: translate_all(t, sentences, args.batch) for name, t in translators.items()}
     batched = _medians(
         harness.interleaved(

@@ -4,8 +4,9 @@ Translates `--sentences` sentences of a split at batch 1 (one at a time) and
 in one batch of 32 with ONNX Runtime's profiling on (`--threads` intra-op
 threads), then sums the kernel times of the profile by op type and prints
 each type's share, calls per decoding step, the nodes of the `Loop` body and
-the `--top-nodes` slowest nodes; and by part of the step (`part_of`: the decoder layers, the embedding, the
-output projection with log-softmax, the search's bookkeeping).
+the `--top-nodes` slowest nodes; and by part of the step (`part_of`: the
+decoder layers, the embedding, the output projection with log-softmax, the
+search's bookkeeping).
 
     python scripts/profile_onnx.py EXPORT_DIR [--data-dir DIR] [--split test2016]
         [--sentences 32] [--threads 2] [--top-nodes 25] [--json results/profile_onnx.json]
@@ -24,8 +25,8 @@ from keras_transformer_export.onnx_runtime import OnnxTranslator, read_metadata 
 
 
 def profile(path, batches, threads, step_node):
-    """`({op type: microseconds}, {part: microseconds}, {node: (op type, microseconds)}, kernel
-    calls, decoding steps)` over `batches` of source ids.
+    """`({(node name, op type): microseconds}, kernel calls, decoding steps)` over `batches` of
+    source ids (`by_op_type` and `by_part` sum them).
 
     Kernel times of the `Loop` body's nodes are recorded on their own, so the
     `Loop` node's own time (which contains them) is left out; the number of
@@ -41,17 +42,30 @@ def profile(path, batches, threads, step_node):
     with open(trace, encoding="utf-8") as handle:
         events = json.load(handle)
     os.remove(trace)
-    totals, parts, calls, steps = collections.defaultdict(float), collections.defaultdict(float), 0, 0
-    nodes = collections.defaultdict(float)
+    nodes, calls, steps = collections.defaultdict(float), 0, 0
     for event in events:
         if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
             steps += event["name"] == f"{step_node}_kernel_time"
             if event["args"]["op_name"] != "Loop":
-                totals[event["args"]["op_name"]] += event["dur"]
-                parts[part_of(event["name"], event["args"]["op_name"])] += event["dur"]
                 nodes[(event["name"][: -len("_kernel_time")], event["args"]["op_name"])] += event["dur"]
                 calls += 1
-    return totals, parts, nodes, calls, max(1, steps)
+    return nodes, calls, max(1, steps)
+
+
+def by_op_type(nodes):
+    """`{op type: microseconds}` of `profile`'s nodes."""
+    totals = collections.defaultdict(float)
+    for (_, op), micros in nodes.items():
+        totals[op] += micros
+    return totals
+
+
+def by_part(nodes):
+    """`{part of the step: microseconds}` of `profile`'s nodes (`part_of`)."""
+    parts = collections.defaultdict(float)
+    for (name, op), micros in nodes.items():
+        parts[part_of(name, op)] += micros
+    return parts
 
 
 PARTS = ("decoder layers", "embedding", "output projection + log-softmax", "search")
@@ -100,7 +114,8 @@ def main():
         ("batch 1", [translator.encode([s]) for s in sentences]),
         ("batch 32", [translator.encode(sentences)]),
     ):
-        totals, parts, nodes, calls, steps = profile(path, batches, args.threads, step_node)
+        nodes, calls, steps = profile(path, batches, args.threads, step_node)
+        totals, parts = by_op_type(nodes), by_part(nodes)
         busy = sum(totals.values())
         print(
             f"\n{label}: {steps} decoding steps, {calls / steps:.0f} kernel calls and "
