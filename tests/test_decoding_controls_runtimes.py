@@ -1,11 +1,12 @@
 """Every decoding control gives the same hypotheses in every runtime (issue 40).
 
 On the 3-epoch `trained_run` model, for each request of `CASES` (a control, or
-several): Keras (`Translator`: one `tf.function` whose inputs are the options, with
-the growing and the fixed-size cache; and `decode` run eagerly with Python
-options), the SavedModel's `translate_with_options` through TF Serving's session
-path, ONNX Runtime's `translate.onnx`, the NumPy driver of `encoder.onnx` +
-`decoder_step.onnx`, and `translate_text.onnx` (in a process without TensorFlow)
+several): Keras (`Translator`: a `tf.function` whose inputs are the options the
+request changes, the others Python values, with the growing and the fixed-size
+cache; and `decode` run eagerly with Python options), the SavedModel's
+`translate_with_options` through TF Serving's session path, ONNX Runtime's
+`translate.onnx`, the NumPy driver of `encoder.onnx` + `decoder_step.onnx`, and
+`translate_text.onnx` (in a process without TensorFlow)
 give the same texts, the same alignments and the same scores (within 1e-4).
 Bad requests get one line from Python and the command line and an
 `InvalidArgument` from the graphs.
@@ -252,6 +253,28 @@ def test_sampling_does_not_depend_on_batching_and_changes_with_the_seed(translat
     other_seed = translator.translate_hypotheses(sentences, **{**arguments, "seed": 8})
     texts = [[h.text for h in s] for s in other_seed[:SENTENCE_COUNT]]
     assert texts != [[h.text for h in s] for s in alone[:SENTENCE_COUNT]]
+
+
+def test_a_request_traces_the_search_it_needs_once(parts, sentences):
+    """The options a request changes from the translator's are graph inputs, the others Python
+    values: a new seed is a new input, not a new graph; with XLA (options as Python values, one
+    program each) the same request is not compiled again."""
+    from keras_transformer.decoding.translator import Translator
+
+    def traces(translator):
+        functions = [translator._search] if translator._jit_compile else translator._searches.values()
+        return sum(f.experimental_get_tracing_count() for f in functions)
+
+    translator = Translator(*parts)
+    for _ in range(2):
+        translator.translate(sentences[:2])
+    assert traces(translator) == 1
+    for seed in (1, 2, 3):
+        translator.translate(sentences[:2], sampling_topk=0, seed=seed)
+    assert traces(translator) == 2
+    compiled = Translator(*parts, jit_compile=True)
+    first = [compiled.translate(sentences[:2])[0] for _ in range(2)]
+    assert traces(compiled) == 1 and first[0] == first[1] == translator.translate(sentences[:2])[0]
 
 
 BAD = [

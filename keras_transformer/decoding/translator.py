@@ -6,6 +6,7 @@ then put back in input order. A source longer than the model's `max_length`
 ids is truncated to it (EOS kept last): the model has no positions beyond.
 """
 
+import dataclasses
 import re
 import types
 from typing import NamedTuple
@@ -133,12 +134,20 @@ class Translator:
         tokenizer: the run's `Tokenizer`.
         beam_size: of the beam search, fixed per translator (4).
         batch_size: sentences per search call.
-        jit_compile: compile the search with XLA (one program per set of options).
+        jit_compile: compile the search with XLA (one program per set of options and
+            input shape: sources are not padded to buckets here, unlike `translate_xla`).
         cache_policy: of the searches; `"auto"` grows the cache (finished
             sentences leave the batch) unless `jit_compile`.
         **options: `DecodingOptions` fields, this translator's defaults (§6.1's
             otherwise: `length_penalty` 0.6, `max_extra_length` 50); each call may
             change them.
+
+    Without XLA, a search graph is traced per kind of request, when first asked for:
+    the options a request changes from these defaults are its inputs (a new seed or
+    length penalty is a new value, not a new graph), the others Python values, so
+    the controls they leave off are not in it: a request with the defaults runs the
+    plain beam search alone, and a new process's first batch is ~3x faster than with
+    one graph of every control (docs/decoding.md).
     """
 
     def __init__(
@@ -164,22 +173,45 @@ class Translator:
                 blank, cache_policy,
             )  # fmt: skip
 
-        def with_tensor_options(source_ids, target_prefix, suppress_sequences, sentence_ids, *options):
-            options = types.SimpleNamespace(**dict(zip(OPTION_TYPES, options)))
-            source_ids = checked_request(
-                model.config, beam_size, source_ids, options, target_prefix, suppress_sequences
-            )
+        def with_literal_options(source_ids, target_prefix, suppress_sequences, sentence_ids, *values):
+            options = DecodingOptions(*values)
             return search(source_ids, target_prefix, suppress_sequences, sentence_ids, options)
 
-        ids = tf.TensorSpec([None, None], tf.int32)
-        if jit_compile:  # XLA needs static shapes: the options are Python values, one trace each
-            self._search = tf.function(search, jit_compile=True, autograph=False)
-        else:  # one graph for every request: the options are its inputs
-            self._search = tf.function(
-                with_tensor_options,
-                input_signature=[ids, ids, ids, tf.TensorSpec([None], tf.int32), *option_specs()],
+        def request_function(changed, has_prefix, has_sequences):
+            """The search of the requests that change the options `changed` (tensor inputs) from
+            this translator's (Python values: the controls they leave off are not in the graph)."""
+            specs = dict(zip(OPTION_TYPES, option_specs()))
+            ids = tf.TensorSpec([None, None], tf.int32)
+
+            def request(source_ids, target_prefix, suppress_sequences, sentence_ids, *values):
+                options = types.SimpleNamespace(**{**vars(self.options), **dict(zip(changed, values))})
+                source_ids = checked_request(
+                    model.config, beam_size, source_ids, options, target_prefix, suppress_sequences
+                )
+                prefix, sequences = (
+                    target_prefix if has_prefix else None,
+                    suppress_sequences if has_sequences else None,
+                )
+                return search(source_ids, prefix, sequences, sentence_ids, options)
+
+            return tf.function(
+                request,
+                input_signature=[
+                    ids,
+                    ids,
+                    ids,
+                    tf.TensorSpec([None], tf.int32),
+                    *(specs[n] for n in changed),
+                ],
                 autograph=False,  # the search's control flow is explicit (keras.ops.cond, while_loop)
             )
+
+        if jit_compile:  # XLA needs static shapes: the options are Python values, one trace each
+            # given field by field: tf.function keys ints, floats and bools by value (an object by
+            # its identity: every call's new DecodingOptions would retrace and recompile)
+            self._search = tf.function(with_literal_options, jit_compile=True, autograph=False)
+        else:  # one graph per kind of request (`_run`), traced when first asked for
+            self._request_function, self._searches = request_function, {}
         self._jit_compile = jit_compile
 
         def score(source_ids, pieces):
@@ -303,8 +335,19 @@ class Translator:
 
     def _run(self, source_ids, prefix, sequences, sentence_ids, options):
         if self._jit_compile:
-            return self._search(source_ids, prefix, sequences, sentence_ids, options)
-        return self._search(source_ids, prefix, sequences, sentence_ids, *option_tensors(options).values())
+            return self._search(source_ids, prefix, sequences, sentence_ids, *dataclasses.astuple(options))
+        # The options that differ from this translator's, and whether there is a prefix or a banned
+        # sequence, choose the graph: a request with the defaults runs the plain search alone, and
+        # a new seed or length penalty is an input, not a new graph.
+        changed = tuple(
+            name for name in OPTION_TYPES if getattr(options, name) != getattr(self.options, name)
+        )
+        pad = self.model.config.pad_id
+        key = (changed, bool(np.any(np.asarray(prefix) != pad)), bool(np.any(np.asarray(sequences) != pad)))
+        if key not in self._searches:
+            self._searches[key] = self._request_function(*key)
+        values = option_tensors(options)
+        return self._searches[key](source_ids, prefix, sequences, sentence_ids, *(values[n] for n in changed))
 
     def _hypotheses(self, sentence, found, row, aligned):
         ids = found.ids[row].numpy()  # (num_return, max_len)
