@@ -1,9 +1,9 @@
 """Every decoding control gives the same hypotheses in every runtime (issue 40).
 
 On the 3-epoch `trained_run` model, for each request of `CASES` (a control, or
-several): Keras (`Translator`: a `tf.function` whose inputs are the options the
-request changes, the others Python values, with the growing and the fixed-size
-cache; and `decode` run eagerly with Python options), the SavedModel's
+several): Keras (`Translator`: a `tf.function` whose inputs are the options, or
+for the default request one with the options as Python values; with the growing
+and the fixed-size cache; and `decode` run eagerly with Python options), the SavedModel's
 `translate_with_options` through TF Serving's session path, ONNX Runtime's
 `translate.onnx`, the NumPy driver of `encoder.onnx` + `decoder_step.onnx`, and
 `translate_text.onnx` (in a process without TensorFlow)
@@ -256,13 +256,14 @@ def test_sampling_does_not_depend_on_batching_and_changes_with_the_seed(translat
 
 
 def test_a_request_traces_the_search_it_needs_once(parts, sentences):
-    """The options a request changes from the translator's are graph inputs, the others Python
-    values: a new seed is a new input, not a new graph; with XLA (options as Python values, one
-    program each) the same request is not compiled again."""
+    """A request with the translator's options runs a graph of its own (the options Python
+    values), any other one the graph whose inputs are the options: a new seed is a new input,
+    not a new graph; with XLA (options as Python values, one program each) the same request
+    is not compiled again."""
     from keras_transformer.decoding.translator import Translator
 
     def traces(translator):
-        functions = [translator._search] if translator._jit_compile else translator._searches.values()
+        functions = [translator._search] + ([] if translator._jit_compile else [translator._own_search])
         return sum(f.experimental_get_tracing_count() for f in functions)
 
     translator = Translator(*parts)

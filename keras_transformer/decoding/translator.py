@@ -142,12 +142,13 @@ class Translator:
             otherwise: `length_penalty` 0.6, `max_extra_length` 50); each call may
             change them.
 
-    Without XLA, a search graph is traced per kind of request, when first asked for:
-    the options a request changes from these defaults are its inputs (a new seed or
-    length penalty is a new value, not a new graph), the others Python values, so
-    the controls they leave off are not in it: a request with the defaults runs the
-    plain beam search alone, and a new process's first batch is ~3x faster than with
-    one graph of every control (docs/decoding.md).
+    Without XLA, two search graphs, each traced when first asked for: one for the
+    requests with these options and no prefix or banned sequence (the options Python
+    values, so the controls they leave off are not in it: with the defaults, the
+    plain beam search alone), one for every other request (every option an input: a
+    new seed or length penalty is a new value, not a new graph). A new process's
+    first batch with the defaults is ~3x faster than with one graph of every control
+    (docs/decoding.md).
     """
 
     def __init__(
@@ -177,41 +178,29 @@ class Translator:
             options = DecodingOptions(*values)
             return search(source_ids, target_prefix, suppress_sequences, sentence_ids, options)
 
-        def request_function(changed, has_prefix, has_sequences):
-            """The search of the requests that change the options `changed` (tensor inputs) from
-            this translator's (Python values: the controls they leave off are not in the graph)."""
-            specs = dict(zip(OPTION_TYPES, option_specs()))
-            ids = tf.TensorSpec([None, None], tf.int32)
-
-            def request(source_ids, target_prefix, suppress_sequences, sentence_ids, *values):
-                options = types.SimpleNamespace(**{**vars(self.options), **dict(zip(changed, values))})
-                source_ids = checked_request(
-                    model.config, beam_size, source_ids, options, target_prefix, suppress_sequences
-                )
-                prefix, sequences = (
-                    target_prefix if has_prefix else None,
-                    suppress_sequences if has_sequences else None,
-                )
-                return search(source_ids, prefix, sequences, sentence_ids, options)
-
-            return tf.function(
-                request,
-                input_signature=[
-                    ids,
-                    ids,
-                    ids,
-                    tf.TensorSpec([None], tf.int32),
-                    *(specs[n] for n in changed),
-                ],
-                autograph=False,  # the search's control flow is explicit (keras.ops.cond, while_loop)
+        def with_tensor_options(source_ids, target_prefix, suppress_sequences, sentence_ids, *options):
+            options = types.SimpleNamespace(**dict(zip(OPTION_TYPES, options)))
+            source_ids = checked_request(
+                model.config, beam_size, source_ids, options, target_prefix, suppress_sequences
             )
+            return search(source_ids, target_prefix, suppress_sequences, sentence_ids, options)
 
+        ids, rows = tf.TensorSpec([None, None], tf.int32), tf.TensorSpec([None], tf.int32)
         if jit_compile:  # XLA needs static shapes: the options are Python values, one trace each
             # given field by field: tf.function keys ints, floats and bools by value (an object by
             # its identity: every call's new DecodingOptions would retrace and recompile)
             self._search = tf.function(with_literal_options, jit_compile=True, autograph=False)
-        else:  # one graph per kind of request (`_run`), traced when first asked for
-            self._request_function, self._searches = request_function, {}
+        else:  # two graphs, each traced when first asked for (`_run`); the search's control flow
+            # is explicit (keras.ops.cond, while_loop), hence no autograph
+            own = self._own_options = self.options  # Python values, checked
+            self._own_search = tf.function(
+                lambda source_ids, sentence_ids: search(source_ids, None, None, sentence_ids, own),
+                input_signature=[ids, rows],
+                autograph=False,
+            )
+            self._search = tf.function(  # any other request: every option is an input
+                with_tensor_options, input_signature=[ids, ids, ids, rows, *option_specs()], autograph=False
+            )
         self._jit_compile = jit_compile
 
         def score(source_ids, pieces):
@@ -336,18 +325,11 @@ class Translator:
     def _run(self, source_ids, prefix, sequences, sentence_ids, options):
         if self._jit_compile:
             return self._search(source_ids, prefix, sequences, sentence_ids, *dataclasses.astuple(options))
-        # The options that differ from this translator's, and whether there is a prefix or a banned
-        # sequence, choose the graph: a request with the defaults runs the plain search alone, and
-        # a new seed or length penalty is an input, not a new graph.
-        changed = tuple(
-            name for name in OPTION_TYPES if getattr(options, name) != getattr(self.options, name)
-        )
         pad = self.model.config.pad_id
-        key = (changed, bool(np.any(np.asarray(prefix) != pad)), bool(np.any(np.asarray(sequences) != pad)))
-        if key not in self._searches:
-            self._searches[key] = self._request_function(*key)
-        values = option_tensors(options)
-        return self._searches[key](source_ids, prefix, sequences, sentence_ids, *(values[n] for n in changed))
+        plain = not np.any(np.asarray(prefix) != pad) and not np.any(np.asarray(sequences) != pad)
+        if plain and options == self._own_options:
+            return self._own_search(source_ids, sentence_ids)
+        return self._search(source_ids, prefix, sequences, sentence_ids, *option_tensors(options).values())
 
     def _hypotheses(self, sentence, found, row, aligned):
         ids = found.ids[row].numpy()  # (num_return, max_len)
