@@ -38,15 +38,13 @@ def main():
     parser = harness.parser(__doc__, "compare_onnx_exports")
     parser.add_argument("before")
     parser.add_argument("after")
-    harness.add_data_dir(parser)
-    parser.add_argument("--split", default="test2016")
-    parser.add_argument("--source-lang", default="en")
+    harness.add_sentences(parser)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--single", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    sentences = harness.read_multi30k(args.data_dir, args.split, args.source_lang)[0]
+    sentences = harness.sentences(args)
     translators = {
         name: OnnxTranslator(path, "full", threads=args.threads)
         for name, path in (("before", args.before), ("after", args.after))

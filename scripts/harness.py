@@ -77,6 +77,19 @@ def add_data_dir(parser):
     )
 
 
+def add_sentences(parser, split="test2016"):
+    """`--data-dir`, `--split` and `--source-lang`: the Multi30k sentences a script translates
+    (`sentences(args)`)."""
+    add_data_dir(parser)
+    parser.add_argument("--split", default=split)
+    parser.add_argument("--source-lang", default="en")
+
+
+def sentences(args):
+    """The source sentences of `add_sentences`'s options."""
+    return read_multi30k(args.data_dir, args.split, args.source_lang)[0]
+
+
 def read_multi30k(data_dir, split, source_lang="en", target_lang="de"):
     """`(sources, targets)` of a Multi30k split: `train`, `val`, `test` or its file name
     (`test2016`), from `data_dir` or the project's download cache."""

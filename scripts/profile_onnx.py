@@ -88,9 +88,7 @@ def part_of(name, op_type):
 def main():
     parser = harness.parser(__doc__, "profile_onnx")
     parser.add_argument("export_dir")
-    harness.add_data_dir(parser)
-    parser.add_argument("--split", default="test2016")
-    parser.add_argument("--source-lang", default="en")
+    harness.add_sentences(parser)
     parser.add_argument("--sentences", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--top-nodes", type=int, default=25, help="the slowest nodes to list")
@@ -100,7 +98,7 @@ def main():
     main_nodes, loop_nodes = count_nodes(model)
     body = next(node for node in model.graph.node if node.op_type == "Loop").attribute[0].g
     step_node = next(node.name for node in body.node if node.op_type in ("MatMul", "MatMulInteger"))
-    sentences = harness.read_multi30k(args.data_dir, args.split, args.source_lang)[0][: args.sentences]
+    sentences = harness.sentences(args)[: args.sentences]
     translator = OnnxTranslator(args.export_dir, "full")
     report = {
         "export": args.export_dir,
