@@ -78,6 +78,11 @@ def constrain(log_probs, step, limits, never, is_eos, min_length, xp):
     log-probability is at most 0 and, from finite logits, above `NEG_INF`), and in ONNX
     Runtime one broadcast `Min` instead of a broadcast `Where`, 3x faster on the
     `(sentences, beam, vocab)` tensor at batch 32 (the largest node of the search's step).
+    The cap itself is built from float caps, the one per id (`never`) a constant of the
+    graph and those per sentence `(sentences, 1[, 1])`: two passes over `(sentences, 1,
+    vocab)` (a `Min` and the EOS column's `Where`), where the same rule on booleans
+    (`where(is_eos, early, last or never)`) was converted by tf2onnx as eight (an `Or`, and a
+    `where` of booleans as a float blend with four casts).
 
     Args:
         log_probs: float32 `(sentences, vocab)` or `(sentences, beam, vocab)`.
@@ -90,8 +95,10 @@ def constrain(log_probs, step, limits, never, is_eos, min_length, xp):
     rank = len(log_probs.shape)
     last = xp.reshape(xp.greater_equal(step, limits - 1), (-1,) + (1,) * (rank - 1))  # (sentences, 1[, 1])
     early = xp.logical_and(xp.less(step, min_length - 1), xp.logical_not(last))
-    banned = xp.where(is_eos, early, xp.logical_or(last, never))  # (sentences, 1[, 1], vocab)
-    cap = xp.where(banned, xp.full((), NEG_INF, log_probs.dtype), xp.zeros((), log_probs.dtype))
+    impossible, allowed = xp.full((), NEG_INF, log_probs.dtype), xp.zeros((), log_probs.dtype)
+    id_cap = xp.where(never, impossible, allowed)  # (vocab,)
+    others = xp.minimum(id_cap, xp.where(last, impossible, allowed))  # (sentences, 1[, 1], vocab)
+    cap = xp.where(is_eos, xp.where(early, impossible, allowed), others)
     return xp.minimum(log_probs, cap)
 
 
