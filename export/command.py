@@ -3,6 +3,7 @@
 
     keras-transformer export --model runs/NAME --format saved_model|onnx|ctranslate2 --out DIR
                              [--name NAME] [--version N] [--quantization float32|int8]
+                             [--onnx-kernels portable|fused]
                              [--max-bleu-drop 1.0] [--force] [--overwrite]
                              [--xla [--xla-batch-sizes 1,2,4,8,16,32] [--xla-source-lengths 16,32,64,128]]
 """
@@ -40,6 +41,13 @@ def add_export_command(commands):
         default="float32",
         help="onnx, ctranslate2: the matrix weights' type (default float32). onnx int8 "
         "is checked on the validation pairs first (see --max-bleu-drop)",
+    )
+    export.add_argument(
+        "--onnx-kernels",
+        choices=["portable", "fused"],
+        default="portable",
+        help="onnx: portable (default: standard ONNX ops, any runtime) or fused (ONNX "
+        "Runtime's com.microsoft attention and skip-LayerNorm kernels; ONNX Runtime only)",
     )
     export.add_argument(
         "--max-bleu-drop",
@@ -153,6 +161,10 @@ def _export(args):
             f"ctranslate2; saved_model exports are float32 (TF Serving has no int8 path "
             f"for them)."
         )
+    if args.onnx_kernels != "portable" and args.format != "onnx":
+        raise UserError(
+            f"--onnx-kernels {args.onnx_kernels} is for --format onnx only; drop it or use --format onnx."
+        )
     gate_options = [
         flag
         for flag, given in (
@@ -252,10 +264,18 @@ def _write_export(args, graphs, name, run, xla=None):
 
         gate = _int8_gate(args, run, log) if args.quantization == "int8" else None
         path = export_onnx(
-            graphs, args.out, overwrite=args.overwrite, log=log, quantization=args.quantization, gate=gate
+            graphs,
+            args.out,
+            overwrite=args.overwrite,
+            log=log,
+            quantization=args.quantization,
+            gate=gate,
+            kernels=args.onnx_kernels,
         )
+        kind = "" if args.onnx_kernels == "portable" else f" ({args.onnx_kernels} kernels: ONNX Runtime only)"
         print(
-            f"Wrote the {args.quantization} ONNX graphs to {path} in {time.perf_counter() - start:.0f}s.",
+            f"Wrote the {args.quantization} ONNX graphs{kind} to {path} in "
+            f"{time.perf_counter() - start:.0f}s.",
             file=sys.stderr,
         )
     return 0

@@ -140,8 +140,13 @@ def sort_nodes(model):
     """`model` (changed in place and returned) with each graph's nodes in an order ONNX accepts,
     counting as a node's inputs the outer values its subgraphs read: a tool that sorts by
     explicit inputs only (ONNX Runtime's quantizer) can put an `If` before the node that
-    makes a value its branch reads. Kahn's algorithm, the current order breaking ties."""
-    for graph in list(all_graphs(model.graph)):
+    makes a value its branch reads. Kahn's algorithm, the current order breaking ties.
+
+    A graph is sorted before its subgraphs are visited: sorting replaces its nodes by copies,
+    so subgraphs listed beforehand would be the replaced nodes' (and their sorting lost)."""
+    pending = [model.graph]
+    while pending:
+        graph = pending.pop()
         produced = {name: index for index, node in enumerate(graph.node) for name in node.output}
         reads = []
         for node in graph.node:
@@ -159,6 +164,7 @@ def sort_nodes(model):
             copy.CopyFrom(node)
         del graph.node[:]
         graph.node.extend(nodes)
+        pending.extend(subgraph for node in graph.node for subgraph in _subgraphs(node))
     return model
 
 

@@ -49,6 +49,7 @@ import onnx
 from onnx import TensorProto, compose, helper, numpy_helper
 
 from keras_transformer.utils import keras_compat
+from keras_transformer_export.fused_kernels import KERNELS, count_fused, fuse_for_onnx_runtime
 from keras_transformer_export.graph_rewrites import all_graphs, reshape_zeros_as_tensorflow, simplify
 from keras_transformer_export.graphs import TranslationGraphs
 from keras_transformer_export.layout import atomic_directory
@@ -70,19 +71,25 @@ TEXT_GRAPH = "translate_text"
 QUANTIZATIONS = ("float32", "int8")
 
 
-def export_onnx(graphs, out_dir, overwrite=False, log=None, quantization="float32", gate=None):
+def export_onnx(
+    graphs, out_dir, overwrite=False, log=None, quantization="float32", gate=None, kernels="portable"
+):
     """Writes the ONNX graphs of `graphs` (a `TranslationGraphs`) into `out_dir`; returns its path.
 
     `quantization="int8"` writes int8 graphs (`keras_transformer_export.quantization.quantize_int8`);
     `gate`, if given, is called as `gate(float32_dir, int8_dir)` before the
     directory appears (e.g. `keras_transformer_export.quantization.BleuGate`): it returns a report
-    stored in `export.json` or raises to write nothing. `log`, if given, is
+    stored in `export.json` or raises to write nothing (it checks the portable graphs).
+    `kernels="fused"` then rewrites every graph with ONNX Runtime's fused CPU kernels
+    (`keras_transformer_export.fused_kernels`: ONNX Runtime only). `log`, if given, is
     called with a line per graph written.
     """
     if not isinstance(graphs, TranslationGraphs):
         raise TypeError(f"graphs must be a TranslationGraphs; got {graphs!r}.")
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}; got {quantization!r}.")
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {KERNELS}; got {kernels!r}.")
     described = {}
     with atomic_directory(out_dir, overwrite=overwrite) as temporary:
         models = {
@@ -93,6 +100,11 @@ def export_onnx(graphs, out_dir, overwrite=False, log=None, quantization="float3
         extra = {"quantization": {"type": "float32"}}
         if quantization == "int8":
             models, extra = _int8(graphs, models, temporary, gate)
+        extra["kernels"] = kernels
+        if kernels == "fused":
+            for model in models.values():
+                fuse_for_onnx_runtime(model)
+            extra["fused_kernels"] = count_fused(models["translate"])
         models[TEXT_GRAPH] = text_graph(graphs, models["translate"])
         for stem, model in models.items():
             onnx.checker.check_model(model, full_check=True)

@@ -14,6 +14,8 @@ size and GNMT length penalty, 2 threads each:
 | onnx_full           | `translate.onnx` as exported now (`keras_transformer_export.graph_rewrites.simplify`: weights out of the `Loop`, one `MatMul` per projection, one `LayerNormalization` per norm, one `Where` per `tf.where`) |
 | onnx_split          | `encoder.onnx` + `decoder_step.onnx` driven by the NumPy beam search |
 | onnx_int8           | `export --format onnx --quantization int8`, full graph |
+| onnx_fused          | `export --format onnx --onnx-kernels fused`: `translate.onnx` with ONNX Runtime's fused attention and skip-LayerNorm kernels (`keras_transformer_export.fused_kernels`) |
+| onnx_fused_int8     | the same with `--quantization int8` |
 | ct2_float32         | `export --format ctranslate2`, `CTranslate2Translator` (GNMT re-ranking of the n-best; batches split by source length for exact parity) |
 | ct2_int8            | the same with `--quantization int8` |
 | ct2_native_float32  | CTranslate2's own search on the same batches: one `translate_batch` per batch, its own length penalty (score / length^α): what a user who picks CTranslate2 runs, **the baseline of every ratio** |
@@ -70,9 +72,9 @@ BATCH = 32
 # runs, 11.5 ms after a 50 ms pause. Each runtime is timed as it would run alone.
 SETTLE_SECONDS = 0.05
 EXACT = ("keras (fixed cache)", "saved_model", "onnx_full (before)", "onnx_full", "onnx_split")
-# Compiled by XLA, other rounding: a near-tie may flip. Its identical count is reported, and the
+# Compiled by XLA or fused kernels, other rounding: a near-tie may flip. Its identical count is reported, and the
 # sentences where it differs from Keras are listed in the JSON (`differences`).
-REPORTED = ("saved_model_xla",)
+REPORTED = ("saved_model_xla", "onnx_fused")
 
 
 def _threads(count):
@@ -102,6 +104,10 @@ def runtimes(model, tokenizer, directory, args):
     saved = export_saved_model(graphs, os.path.join(directory, "serving"), "bench", xla=buckets)
     onnx_dir = export_onnx(graphs, os.path.join(directory, "onnx"))
     int8_dir = export_onnx(graphs, os.path.join(directory, "onnx-int8"), quantization="int8")
+    fused_dir, fused_int8_dir = (
+        fused_copy(source, os.path.join(directory, f"{os.path.basename(source)}-fused"))
+        for source in (onnx_dir, int8_dir)
+    )
     before_dir = os.path.join(directory, "onnx-before")  # the same export, translate.onnx as converted
     os.makedirs(before_dir)
     for name in ("export.json", "tokenizer.model"):
@@ -132,6 +138,8 @@ def runtimes(model, tokenizer, directory, args):
         "onnx_full": OnnxTranslator(onnx_dir, "full", BATCH, args.threads),
         "onnx_split": OnnxTranslator(onnx_dir, "split", BATCH, args.threads),
         "onnx_int8": OnnxTranslator(int8_dir, "full", BATCH, args.threads),
+        "onnx_fused": OnnxTranslator(fused_dir, "full", BATCH, args.threads),
+        "onnx_fused_int8": OnnxTranslator(fused_int8_dir, "full", BATCH, args.threads),
     }
     # Each CTranslate2 model in a process of its own: a loaded int8 model slows every CTranslate2
     # translator of its process (`Ct2Worker`).
@@ -166,9 +174,31 @@ def runtimes(model, tokenizer, directory, args):
         n for n in onnx.load(os.path.join(onnx_dir, "translate.onnx")).graph.node if n.op_type == "Loop"
     )
     sizes["translate.onnx Loop body nodes"] = len(next(a.g for a in loop.attribute if a.name == "body").node)
+    loop = next(
+        n for n in onnx.load(os.path.join(fused_dir, "translate.onnx")).graph.node if n.op_type == "Loop"
+    )
+    sizes["fused translate.onnx Loop body nodes"] = len(
+        next(a.g for a in loop.attribute if a.name == "body").node
+    )
     sizes["paths"] = {"saved_model": saved, "onnx": onnx_dir}  # for the load rows (`--load`)
     sizes["xla_buckets"] = xla_compiles
     return result, sizes
+
+
+def fused_copy(onnx_dir, out):
+    """`onnx_dir` copied to `out` with `translate.onnx` rewritten as `export --onnx-kernels fused`
+    rewrites it (`fuse_for_onnx_runtime`, the function the export applies to every graph): the
+    same fused graph as a second export, without converting the model again."""
+    import shutil
+
+    import onnx
+
+    from keras_transformer_export.fused_kernels import fuse_for_onnx_runtime
+
+    shutil.copytree(onnx_dir, out)
+    path = os.path.join(out, "translate.onnx")
+    onnx.save(fuse_for_onnx_runtime(onnx.load(path)), path)
+    return out
 
 
 def xla_warmup(version_dir, translate, shapes):
@@ -521,6 +551,8 @@ def main():
     goals = {
         "onnx_full >= 1.0x ct2_native_float32": results["onnx_full"]["vs_ct2_native"],
         "onnx_int8 >= 1.0x ct2_native_int8": results["onnx_int8"]["vs_ct2_native"],
+        "onnx_fused >= 1.0x ct2_native_float32": results["onnx_fused"]["vs_ct2_native"],
+        "onnx_fused_int8 >= 1.0x ct2_native_int8": results["onnx_fused_int8"]["vs_ct2_native"],
         "saved_model_xla >= 0.5x ct2_native_float32": results["saved_model_xla"]["vs_ct2_native"],
         "saved_model (no XLA)": results["saved_model"]["vs_ct2_native"],
     }
@@ -532,7 +564,10 @@ def main():
         f"\nFiles (float32 weights {weight_bytes / 1e6:.1f} MB): "
         + ", ".join(f"{k} {v / 1e6:.1f} MB ({v / weight_bytes:.2f}x)" for k, v in files.items())
     )
-    print(f"translate.onnx Loop body: {sizes['translate.onnx Loop body nodes']} nodes per step")
+    print(
+        f"translate.onnx Loop body: {sizes['translate.onnx Loop body nodes']} nodes per step "
+        f"({sizes['fused translate.onnx Loop body nodes']} fused)"
+    )
     print("\ntranslate_xla per bucket: first request (compiles its program; no warmup) and again (warm):\n")
     harness.print_table(
         ["batch", "source length", "first request s", "again ms"],
@@ -558,6 +593,7 @@ def main():
         "float32_weight_bytes": weight_bytes,
         "file_bytes": files,
         "loop_body_nodes": sizes["translate.onnx Loop body nodes"],
+        "fused_loop_body_nodes": sizes["fused translate.onnx Loop body nodes"],
         "xla_buckets": xla_buckets,
         "goals": goals,
         "results": results,

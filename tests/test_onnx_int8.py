@@ -13,6 +13,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from keras_transformer import cli
+from keras_transformer_export.fused_kernels import count_fused, fuse_for_onnx_runtime
 from keras_transformer_export.graph_rewrites import (
     all_graphs,
     collapse_tensordots,
@@ -573,3 +574,176 @@ def test_exported_graphs_have_no_int32_reshape_shape_left(exported):
         model = onnx.load(str(exported[1] / f"{name}.onnx"))
         before = count_nodes(model)
         assert count_nodes(read_shapes_in_int64(model)) == before, name
+
+
+@pytest.fixture(scope="module")
+def fused_export(trained_run, converted, tmp_path_factory):
+    """`export --format onnx --onnx-kernels fused` of the tiny run (from the converted graphs)."""
+    out = tmp_path_factory.mktemp("fused") / "onnx-fused"
+    arguments = ["export", "--model", str(trained_run), "--format", "onnx", "--onnx-kernels", "fused"]
+    assert cli.main([*arguments, "--out", str(out)]) == 0
+    return out
+
+
+def _ops(graph):
+    return [node.op_type for g in all_graphs(graph) for node in g.node]
+
+
+def test_fused_export_has_onnx_runtime_kernels_in_every_decoding_step(fused_export, converted):
+    """The tiny preset (2 + 2 layers): in each search's Loop (plain, with controls, sampling) every
+    attention is one MultiHeadAttention (2 per layer) and every residual + LayerNorm one
+    SkipLayerNormalization (3 per layer); no unfused attention (Softmax) is left in a step."""
+    metadata = json.loads((fused_export / "export.json").read_text())
+    assert metadata["kernels"] == "fused" and json.loads((converted / "export.json").read_text())[
+        "kernels"
+    ] in ("portable", None)
+    translate = onnx.load(str(fused_export / "translate.onnx"))
+    onnx.checker.check_model(translate, full_check=True)
+    loops = [n for g in all_graphs(translate.graph) for n in g.node if n.op_type == "Loop"]
+    assert len(loops) == 3
+    for loop in loops:
+        ops = _ops(next(a.g for a in loop.attribute if a.name == "body"))
+        assert (ops.count("MultiHeadAttention"), ops.count("SkipLayerNormalization")) == (4, 6), loop.name
+        assert "Softmax" not in ops and "LayerNormalization" not in ops, loop.name
+    assert metadata["fused_kernels"] == count_fused(translate)
+    portable = onnx.load(str(converted / "translate.onnx"))
+    assert count_nodes(translate)[1] < count_nodes(portable)[1]
+    step = _ops(onnx.load(str(fused_export / "decoder_step.onnx")).graph)
+    assert (step.count("MultiHeadAttention"), step.count("SkipLayerNormalization")) == (4, 6)
+
+
+def test_fused_graphs_translate_as_the_portable_ones(fused_export, converted, synthetic_files):
+    from keras_transformer_export.parity import translate_in_subprocess
+
+    sentences = synthetic_files[0].read_text(encoding="utf-8").splitlines()[-24:]
+    for mode in ("full", "split"):
+        fused = OnnxTranslator(str(fused_export), mode).translate(sentences)
+        portable = OnnxTranslator(str(converted), mode).translate(sentences)
+        assert fused[0] == portable[0], mode
+        np.testing.assert_allclose(fused[1], portable[1], rtol=1e-4, atol=1e-4)
+    assert translate_in_subprocess(str(fused_export), sentences, "text") == portable[0]
+
+
+def test_fusion_keeps_a_step_of_attention_and_layer_norm_to_float_rounding():
+    """A self-attention with a growing cache, a cross-attention with a padded source and a
+    post-norm residual, written as the portable graph writes them, fused: the same values
+    (to 1e-5), the same cache outputs, and a graph that reads nothing it did not read before."""
+    model = _attention_step_model()
+    rng = np.random.default_rng(0)
+    feeds = {
+        "x": rng.standard_normal((6, 1, 8)).astype(np.float32),
+        "past_key": rng.standard_normal((6, 2, 3, 4)).astype(np.float32),
+        "past_value": rng.standard_normal((6, 2, 3, 4)).astype(np.float32),
+        "cross_key": rng.standard_normal((2, 2, 5, 4)).astype(np.float32),
+        "cross_value": rng.standard_normal((2, 2, 5, 4)).astype(np.float32),
+        "mask": np.array([[[True] * 5], [[True] * 3 + [False] * 2]]),
+    }
+    before = _run_all(model, feeds)
+    fused = fuse_for_onnx_runtime(_attention_step_model())
+    onnx.checker.check_model(fused, full_check=True)
+    assert sorted(_ops(fused.graph)) == sorted(
+        ["MatMul", "Split", "MultiHeadAttention", "MatMul", "SkipLayerNormalization", "MatMul", "Add"]
+        + ["Shape", "Concat", "Reshape", "Squeeze", "Cast", "MultiHeadAttention", "Reshape"]
+    )
+    for name, value in _run_all(fused, feeds).items():
+        np.testing.assert_allclose(value, before[name], rtol=1e-5, atol=1e-5, err_msg=name)
+    # A scale other than 1/sqrt(depth) is not the op's: both attentions are left alone.
+    odd = _ops(fuse_for_onnx_runtime(_attention_step_model(scale=0.3)).graph)
+    counts = [odd.count(op) for op in ("MultiHeadAttention", "Softmax", "SkipLayerNormalization")]
+    assert counts == [0, 2, 1]
+
+
+def _run_all(model, feeds):
+    session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return dict(zip([o.name for o in model.graph.output], session.run(None, feeds)))
+
+
+def _attention_step_model(scale=None, heads=2, depth=4):
+    """One decoder step's self-attention (growing cache), residual + LayerNorm and
+    cross-attention (beams folded into the query length), as the portable graph has them."""
+    width = heads * depth
+    scale = depth**-0.5 if scale is None else scale
+    rng = np.random.default_rng(1)
+
+    def weight(*shape):
+        return rng.standard_normal(shape).astype(np.float32) / 3
+
+    constants = {
+        "w_qkv": weight(width, 3 * width), "b_qkv": weight(3 * width), "w_o": weight(width, width),
+        "b_o": weight(width), "gamma": 1 + weight(width), "beta": weight(width),
+        "w_q": weight(width, width), "b_q": weight(width), "scale": np.float32(scale),
+        "heads": np.array([-1, heads, 1, depth], np.int64),
+        "split": np.array([-1, 1, heads, depth], np.int64),
+        "rows": np.array([-1, 1, width], np.int64), "minus_one": np.array([-1], np.int64),
+        "heads_part": np.array([heads], np.int64), "depth_part": np.array([depth], np.int64),
+        "axis": np.array([1], np.int64), "fill": np.float32(-3e38), "zero": np.float32(0),
+    }  # fmt: skip
+    node = helper.make_node
+    nodes = [
+        node("MatMul", ["x", "w_qkv"], ["qkv0"]),
+        node("Add", ["qkv0", "b_qkv"], ["qkv"]),
+        node("Split", ["qkv"], ["q", "k", "v"], axis=-1),
+        node("Reshape", ["k", "heads"], ["kh"]),
+        node("Concat", ["past_key", "kh"], ["present_key"], axis=2),
+        node("Reshape", ["v", "heads"], ["vh"]),
+        node("Concat", ["past_value", "vh"], ["present_value"], axis=2),
+        node("Transpose", ["present_key"], ["kt"], perm=[0, 1, 3, 2]),
+        node("Reshape", ["q", "split"], ["q4"]),
+        node("Mul", ["q4", "scale"], ["qs"]),
+        node("Reshape", ["qs", "heads"], ["qh"]),
+        node("MatMul", ["qh", "kt"], ["logits"]),
+        node("Softmax", ["logits"], ["probs"]),
+        node("MatMul", ["probs", "present_value"], ["context"]),
+        node("Reshape", ["context", "rows"], ["merged"]),
+        node("MatMul", ["merged", "w_o"], ["out0"]),
+        node("Add", ["out0", "b_o"], ["out"]),
+        node("Add", ["x", "out"], ["residual"]),
+        node("LayerNormalization", ["residual", "gamma", "beta"], ["normed"], axis=-1, epsilon=1e-6),
+        # Cross-attention: (rows, 1, width) -> (sentences, beams, heads, depth) -> heads first.
+        node("MatMul", ["normed", "w_q"], ["cq0"]),
+        node("Add", ["cq0", "b_q"], ["cq"]),
+        node("Shape", ["cross_key"], ["sentences"], start=0, end=1),
+        node("Concat", ["sentences", "minus_one", "heads_part", "depth_part"], ["fold4"], axis=0),
+        node("Reshape", ["cq", "fold4"], ["cq4"]),
+        node("Mul", ["cq4", "scale"], ["cqs"]),
+        node("Transpose", ["cqs"], ["cqt"], perm=[0, 2, 1, 3]),
+        node("Transpose", ["cross_key"], ["ckt"], perm=[0, 1, 3, 2]),
+        node("MatMul", ["cqt", "ckt"], ["clogits"]),
+        node("Unsqueeze", ["mask", "axis"], ["mask4"]),
+        node("Where", ["mask4", "clogits", "fill"], ["cmasked"]),
+        node("Softmax", ["cmasked"], ["cprobs"]),
+        node("Where", ["mask4", "cprobs", "zero"], ["cprobs0"]),
+        node("MatMul", ["cprobs0", "cross_value"], ["ccontext"]),
+        node("Transpose", ["ccontext"], ["cct"], perm=[0, 2, 1, 3]),
+        node("Reshape", ["cct", "rows"], ["y"]),
+    ]
+    value = helper.make_tensor_value_info
+    graph = helper.make_graph(
+        nodes,
+        "step",
+        [
+            value("x", TensorProto.FLOAT, ["rows", 1, width]),
+            value("past_key", TensorProto.FLOAT, ["rows", heads, "t", depth]),
+            value("past_value", TensorProto.FLOAT, ["rows", heads, "t", depth]),
+            value("cross_key", TensorProto.FLOAT, ["sentences", heads, "source", depth]),
+            value("cross_value", TensorProto.FLOAT, ["sentences", heads, "source", depth]),
+            value("mask", TensorProto.BOOL, ["sentences", 1, "source"]),
+        ],
+        [
+            value("y", TensorProto.FLOAT, ["rows", 1, width]),
+            value("present_key", TensorProto.FLOAT, ["rows", heads, "t_next", depth]),
+            value("present_value", TensorProto.FLOAT, ["rows", heads, "t_next", depth]),
+            value("normed", TensorProto.FLOAT, ["rows", 1, width]),
+        ],
+        [numpy_helper.from_array(np.asarray(array), name) for name, array in constants.items()],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_onnx_kernels_is_refused_outside_onnx(trained_run, tmp_path, capsys):
+    arguments = ["export", "--model", str(trained_run), "--format", "saved_model", "--onnx-kernels", "fused"]
+    assert cli.main([*arguments, "--out", str(tmp_path / "serving")]) == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert error == ["keras-transformer: error: --onnx-kernels fused is for --format onnx only; "
+                     "drop it or use --format onnx."]  # fmt: skip
+    assert not (tmp_path / "serving").exists()
