@@ -13,7 +13,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from keras_transformer import cli
-from keras_transformer_export.fused_kernels import count_fused, fuse_for_onnx_runtime
+from keras_transformer_export.fused_kernels import FUSIONS, count_fused, fuse_for_onnx_runtime
 from keras_transformer_export.graph_rewrites import (
     all_graphs,
     collapse_tensordots,
@@ -284,10 +284,17 @@ def test_int8_graphs_translate_in_every_mode(int8_export, synthetic_files):
     translators = {mode: OnnxTranslator(str(int8_export), mode) for mode in ("full", "split")}
     # Sentence by sentence: int8 activations are quantized per tensor, so a sentence's output
     # depends on the other rows of its batch. translate.onnx and the split driver's graphs
-    # are quantized apart: the same tokens, scores within 2e-4 (the closing note of issue 40).
+    # are quantized apart. ONNX Runtime's int8 kernels round differently on another CPU, and
+    # the tiny run's outputs are long repetitions full of near-ties: on an Intel Xeon with AMX
+    # (and in CI) all 20 were the same with scores within 2e-4 (the closing note of issue 40);
+    # on an AMD EPYC (AVX-512, no AMX) one of the 20 took another path (scores -24.67 /
+    # -24.82) and the others' scores differ by up to 5.7e-4 of their value, at 915a706 too.
+    # So: at least 18 of 20 the same, their scores within 1e-3.
     full, split = ([translator.translate([s]) for s in sentences] for translator in translators.values())
-    assert all(f[0][0] for f in full) and [f[0] for f in full] == [s[0] for s in split]
-    np.testing.assert_allclose([f[1][0] for f in full], [s[1][0] for s in split], rtol=2e-4)
+    assert all(f[0][0] for f in full)
+    same = [i for i, (f, s) in enumerate(zip(full, split)) if f[0] == s[0]]
+    assert len(same) >= 18, [(f[0], s[0]) for f, s in zip(full, split)]
+    np.testing.assert_allclose([full[i][1][0] for i in same], [split[i][1][0] for i in same], rtol=1e-3)
     batch = translators["full"].translate(sentences)
     assert all(batch[0]) and len(batch[0]) == len(sentences)
 
@@ -591,8 +598,9 @@ def _ops(graph):
 
 def test_fused_export_has_onnx_runtime_kernels_in_every_decoding_step(fused_export, converted):
     """The tiny preset (2 + 2 layers): in each search's Loop (plain, with controls, sampling) every
-    attention is one MultiHeadAttention (2 per layer) and every residual + LayerNorm one
-    SkipLayerNormalization (3 per layer); no unfused attention (Softmax) is left in a step."""
+    cross-attention is one MultiHeadAttention and every residual + LayerNorm one
+    SkipLayerNormalization (3 per layer); the self-attentions keep their nodes (one Softmax
+    each: the fused kernel was slower there, `fused_kernels.DEFAULT_FUSIONS`)."""
     metadata = json.loads((fused_export / "export.json").read_text())
     assert metadata["kernels"] == "fused" and json.loads((converted / "export.json").read_text())[
         "kernels"
@@ -603,13 +611,13 @@ def test_fused_export_has_onnx_runtime_kernels_in_every_decoding_step(fused_expo
     assert len(loops) == 3
     for loop in loops:
         ops = _ops(next(a.g for a in loop.attribute if a.name == "body"))
-        assert (ops.count("MultiHeadAttention"), ops.count("SkipLayerNormalization")) == (4, 6), loop.name
-        assert "Softmax" not in ops and "LayerNormalization" not in ops, loop.name
+        assert (ops.count("MultiHeadAttention"), ops.count("SkipLayerNormalization")) == (2, 6), loop.name
+        assert ops.count("Softmax") == 2 and "LayerNormalization" not in ops, loop.name
     assert metadata["fused_kernels"] == count_fused(translate)
     portable = onnx.load(str(converted / "translate.onnx"))
     assert count_nodes(translate)[1] < count_nodes(portable)[1]
     step = _ops(onnx.load(str(fused_export / "decoder_step.onnx")).graph)
-    assert (step.count("MultiHeadAttention"), step.count("SkipLayerNormalization")) == (4, 6)
+    assert (step.count("MultiHeadAttention"), step.count("SkipLayerNormalization")) == (2, 6)
 
 
 def test_fused_graphs_translate_as_the_portable_ones(fused_export, converted, synthetic_files):
@@ -638,22 +646,22 @@ def test_fusion_keeps_a_step_of_attention_and_layer_norm_to_float_rounding():
         "cross_value": rng.standard_normal((2, 2, 5, 4)).astype(np.float32),
         "mask": np.array([[[True] * 5], [[True] * 3 + [False] * 2]]),
     }
-    before = _run_all(model, feeds)
-    fused = fuse_for_onnx_runtime(_attention_step_model())
+    before = _outputs_by_name(model, feeds)
+    fused = fuse_for_onnx_runtime(_attention_step_model(), fusions=FUSIONS)
     onnx.checker.check_model(fused, full_check=True)
     assert sorted(_ops(fused.graph)) == sorted(
         ["MatMul", "Split", "MultiHeadAttention", "MatMul", "SkipLayerNormalization", "MatMul", "Add"]
         + ["Shape", "Concat", "Reshape", "Squeeze", "Cast", "MultiHeadAttention", "Reshape"]
     )
-    for name, value in _run_all(fused, feeds).items():
+    for name, value in _outputs_by_name(fused, feeds).items():
         np.testing.assert_allclose(value, before[name], rtol=1e-5, atol=1e-5, err_msg=name)
     # A scale other than 1/sqrt(depth) is not the op's: both attentions are left alone.
-    odd = _ops(fuse_for_onnx_runtime(_attention_step_model(scale=0.3)).graph)
+    odd = _ops(fuse_for_onnx_runtime(_attention_step_model(scale=0.3), fusions=FUSIONS).graph)
     counts = [odd.count(op) for op in ("MultiHeadAttention", "Softmax", "SkipLayerNormalization")]
     assert counts == [0, 2, 1]
 
 
-def _run_all(model, feeds):
+def _outputs_by_name(model, feeds):
     session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     return dict(zip([o.name for o in model.graph.output], session.run(None, feeds)))
 
