@@ -14,7 +14,7 @@ size and GNMT length penalty, 2 threads each:
 | onnx_full           | `translate.onnx` as exported now (`keras_transformer_export.graph_rewrites.simplify`: weights out of the `Loop`, one `MatMul` per projection, one `LayerNormalization` per norm, one `Where` per `tf.where`) |
 | onnx_split          | `encoder.onnx` + `decoder_step.onnx` driven by the NumPy beam search |
 | onnx_int8           | `export --format onnx --quantization int8`, full graph |
-| onnx_fused          | `export --format onnx --onnx-kernels fused`: `translate.onnx` with ONNX Runtime's fused attention and skip-LayerNorm kernels (`keras_transformer_export.fused_kernels`) |
+| onnx_fused          | `export --format onnx --onnx-kernels fused`: `translate.onnx` with ONNX Runtime's cross-attention and skip-LayerNorm kernels (`keras_transformer_export.fused_kernels`) |
 | onnx_fused_int8     | the same with `--quantization int8` |
 | ct2_float32         | `export --format ctranslate2`, `CTranslate2Translator` (GNMT re-ranking of the n-best; batches split by source length for exact parity) |
 | ct2_int8            | the same with `--quantization int8` |
