@@ -47,7 +47,7 @@ def add_export_command(commands):
         choices=["portable", "fused"],
         default="portable",
         help="onnx: portable (default: standard ONNX ops, any runtime) or fused (ONNX "
-        "Runtime's com.microsoft attention and skip-LayerNorm kernels; ONNX Runtime only)",
+        "Runtime's com.microsoft cross-attention and skip-LayerNorm kernels; ONNX Runtime only)",
     )
     export.add_argument(
         "--max-bleu-drop",
