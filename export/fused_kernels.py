@@ -36,6 +36,7 @@ import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
 from keras_transformer_export.graph_rewrites import (
+    _attribute,
     _consumers,
     _drop_dead_nodes,
     _initializers,
@@ -135,13 +136,6 @@ class _Fuser:
         value = self.constant(node.input[1]) if node is not None and len(node.input) > 1 else None
         return None if value is None else value.tolist()
 
-    @staticmethod
-    def attribute(node, name, default=None):
-        for attribute in node.attribute:
-            if attribute.name == name:
-                return helper.get_attribute_value(attribute)
-        return default
-
     def scaled_by(self, mul, depth):
         """The input of `mul` that is scaled by `1/sqrt(depth)` (the other input), or None."""
         if mul is None:
@@ -160,14 +154,14 @@ class _Fuser:
             return None
         keys_t = self.made_by(logits.input[1], "Transpose")
         query = self.made_by(logits.input[0], "Reshape")
-        if keys_t is None or self.attribute(keys_t, "perm") != [0, 1, 3, 2] or query is None:
+        if keys_t is None or _attribute(keys_t, "perm") != [0, 1, 3, 2] or query is None:
             return None
         keys = self.made_by(keys_t.input[0], "Concat")
         values = self.made_by(context.input[1], "Concat")
         merged = self.only_reader(context.output[0], "Reshape")
         if keys is None or values is None or merged is None:
             return None
-        if self.attribute(keys, "axis") != 2 or self.attribute(values, "axis") != 2:
+        if _attribute(keys, "axis") != 2 or _attribute(values, "axis") != 2:
             return None
         heads_shape = self.shape_constant(query)
         if heads_shape is None or len(heads_shape) != 4 or heads_shape[2] != 1:
@@ -188,7 +182,7 @@ class _Fuser:
             split is None
             or len(split.output) != 3
             or [split_query.input[0], new_key.input[0], new_value.input[0]] != list(split.output)
-            or self.attribute(split, "axis") not in (-1, 2)
+            or _attribute(split, "axis") not in (-1, 2)
             or (len(split.input) > 1 and split.input[1])
             or not self.read_once(split_query, scaled, query, new_key, new_value, logits, softmax, context)
             or self.uses.get(keys_t.output[0]) != 1
@@ -239,9 +233,9 @@ class _Fuser:
             query_t is None
             or keys_t is None
             or merged is None
-            or self.attribute(query_t, "perm") != [0, 2, 1, 3]
-            or self.attribute(keys_t, "perm") != [0, 1, 3, 2]
-            or self.attribute(merged_t, "perm") != [0, 2, 1, 3]
+            or _attribute(query_t, "perm") != [0, 2, 1, 3]
+            or _attribute(keys_t, "perm") != [0, 1, 3, 2]
+            or _attribute(merged_t, "perm") != [0, 2, 1, 3]
         ):
             return None
         width = self.shape_constant(merged)
@@ -296,14 +290,14 @@ class _Fuser:
         """`(heads, depth)` if `reshape` folds the beams into the query length, to the shape
         `Concat(Shape(keys)[0:1], [-1], [heads], [depth])` (sentences, beams, heads, depth)."""
         concat = self.made_by(reshape.input[1], "Concat")
-        if concat is None or len(concat.input) != 4 or self.attribute(concat, "axis") != 0:
+        if concat is None or len(concat.input) != 4 or _attribute(concat, "axis") != 0:
             return None
         sentences = self.made_by(concat.input[0], "Shape")
         parts = [self.constant(name) for name in concat.input[1:]]
         if (
             sentences is None
             or sentences.input[0] != keys
-            or (self.attribute(sentences, "start", 0), self.attribute(sentences, "end")) != (0, 1)
+            or (_attribute(sentences, "start", 0), _attribute(sentences, "end")) != (0, 1)
             or any(part is None or part.shape != (1,) for part in parts)
             or int(parts[0][0]) != -1
         ):
@@ -329,7 +323,7 @@ class _Fuser:
 
     # -- 3. residual + bias + LayerNorm ------------------------------------------------------
     def skip_layer_norm(self, norm):
-        if self.attribute(norm, "axis", -1) != -1 or len(norm.input) != 3:
+        if _attribute(norm, "axis", -1) != -1 or len(norm.input) != 3:
             return None
         residual = self.made_by(norm.input[0], "Add")
         if residual is None or self.uses.get(residual.output[0]) != 1:
@@ -354,7 +348,7 @@ class _Fuser:
                         [norm.output[0]],
                         name=f"{norm.name}/fused_skip",
                         domain=DOMAIN,
-                        epsilon=self.attribute(norm, "epsilon", 1e-5),
+                        epsilon=_attribute(norm, "epsilon", 1e-5),
                     )
                     norm.output[0] += "/unfused"
                     return [node]

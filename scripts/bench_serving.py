@@ -88,6 +88,7 @@ def runtimes(model, tokenizer, directory, args):
     """`{name: translate(list of str) -> list of str}`."""
     import onnx
     import tensorflow as tf
+    from count_loop_nodes import main_body
 
     from keras_transformer.decoding.translator import Translator
     from keras_transformer_export import onnx as onnx_export
@@ -170,16 +171,9 @@ def runtimes(model, tokenizer, directory, args):
         "ct2 float32 model.bin": os.path.getsize(os.path.join(ct2["float32"], "model.bin")),
         "ct2 int8 model.bin": os.path.getsize(os.path.join(ct2["int8"], "model.bin")),
     }
-    loop = next(
-        n for n in onnx.load(os.path.join(onnx_dir, "translate.onnx")).graph.node if n.op_type == "Loop"
-    )
-    sizes["translate.onnx Loop body nodes"] = len(next(a.g for a in loop.attribute if a.name == "body").node)
-    loop = next(
-        n for n in onnx.load(os.path.join(fused_dir, "translate.onnx")).graph.node if n.op_type == "Loop"
-    )
-    sizes["fused translate.onnx Loop body nodes"] = len(
-        next(a.g for a in loop.attribute if a.name == "body").node
-    )
+    for key, export_dir in (("translate.onnx", onnx_dir), ("fused translate.onnx", fused_dir)):
+        body = main_body(onnx.load(os.path.join(export_dir, "translate.onnx")))
+        sizes[f"{key} Loop body nodes"] = len(body.node)
     sizes["paths"] = {"saved_model": saved, "onnx": onnx_dir}  # for the load rows (`--load`)
     sizes["xla_buckets"] = xla_compiles
     return result, sizes

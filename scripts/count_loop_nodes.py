@@ -34,7 +34,7 @@ def _loop_bodies(graph):
     ]
 
 
-def _main_body(model):
+def main_body(model):
     """The body of the main graph's `Loop`: the default request's beam search."""
     loop = next(node for node in model.graph.node if node.op_type == "Loop")
     return next(attribute.g for attribute in loop.attribute if attribute.name == "body")
@@ -43,7 +43,7 @@ def _main_body(model):
 def onnx_counts(export_dir):
     path = os.path.join(export_dir, "translate.onnx")
     model = onnx.load(path)
-    stored = _main_body(model)
+    stored = main_body(model)
     with tempfile.TemporaryDirectory() as directory:
         optimized_path = os.path.join(directory, "optimized.onnx")
         options = onnxruntime.SessionOptions()
@@ -52,7 +52,7 @@ def onnx_counts(export_dir):
         options.log_severity_level = 3
         onnxruntime.InferenceSession(path, options, providers=["CPUExecutionProvider"])
         optimized_model = onnx.load(optimized_path)
-        optimized = _main_body(optimized_model)
+        optimized = main_body(optimized_model)
     return dict(
         path=path,
         loop_body_nodes=len(stored.node),
