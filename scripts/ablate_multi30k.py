@@ -225,7 +225,7 @@ def _evaluate(binary, name, args, core):
     }
 
 
-DECODING = [(1, 1.0), (4, 0.6), (5, 0.6), (5, 1.0), (5, 1.4), (8, 1.0)]  # (beam size, α)
+DECODING = [(1, 1.0), (4, 0.6), (5, 0.6), (5, 1.0), (5, 1.4), (8, 0.6), (8, 1.0), (8, 1.4)]  # (beam size, α)
 AVERAGED = (1, 5, 10)  # last N epoch checkpoints averaged
 
 

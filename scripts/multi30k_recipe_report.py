@@ -4,8 +4,8 @@
 `metrics.json` and evaluation files it writes:
 
 - `RUN/results.json` and `results/multi30k_recipe.json`: the scores (val and
-  test2016: sacreBLEU with its signature, chrF, the paper metric), the α chosen
-  on val, the epochs asked for and trained, whether the safety `--max-minutes`
+  test2016: sacreBLEU with its signature, chrF, the paper metric), the beam size
+  and α chosen on val, the epochs asked for and trained, whether the safety `--max-minutes`
   cut training short, seconds per epoch (median and range), minutes in all
   (training, evaluation), the machine (CPU model, SIMD flags, cores, library
   versions, commit) and every epoch's learning curve (val loss, greedy val
@@ -73,6 +73,17 @@ def model_summary(config):
     return shape
 
 
+def val_candidates(run):
+    """Every (beam, α) `scripts/evaluate_multi30k_run.sh` tried on val, `{"beam B, α A": scores}`,
+    from `RUN/eval-val-beamB-alphaA.json` (and a run evaluated before beam sizes were candidates:
+    `RUN/eval-val-alphaA.json`, beam 5), in order of beam and α."""
+    found = {}
+    for path in run.glob("eval-val-*alpha*.json"):
+        evaluation = read_json(path)
+        found[(evaluation["beam_size"], evaluation["length_penalty"])] = scores(path)
+    return {f"beam {beam}, α {alpha}": found[beam, alpha] for beam, alpha in sorted(found)}
+
+
 def run_results(run, epochs_asked, max_minutes, start, trained, end):
     """The results of the run in `run` (see the module docstring)."""
     metrics = read_json(run / "metrics.json")
@@ -102,13 +113,10 @@ def run_results(run, epochs_asked, max_minutes, start, trained, end):
         "averaged_epochs": metrics.get("averaged"),
         "optimizer_steps": epochs[-1]["optimizer_steps"],
         "parameters": metrics["parameters"],
-        # The search test2016 was scored with (α as chosen on val), as `evaluate` recorded it.
+        # The search test2016 was scored with (beam and α as chosen on val), as `evaluate` recorded it.
         "beam_size": test["beam_size"],
         "length_penalty": test["length_penalty"],
-        "val_candidates": {  # every α the script tried on val: eval-val-alphaA.json
-            path.stem.removeprefix("eval-val-alpha"): scores(path)
-            for path in sorted(run.glob("eval-val-alpha*.json"), key=lambda path: float(path.stem[14:]))
-        },
+        "val_candidates": val_candidates(run),
         "val": scores(run / "eval-multi30k-val.json"),
         "test2016": scores(run / "eval-multi30k-test.json"),
         "curve": [{key: epoch.get(key) for key in CURVE_KEYS} for epoch in epochs],
@@ -131,7 +139,7 @@ def table(runs):
     """The Markdown table "test2016 BLEU at N epochs", one row per run."""
     lines = [
         "| epochs (updates) | model | machine | s/epoch | minutes in all (training + evaluation) | "
-        "test2016 BLEU | chrF | paper metric | val BLEU (α) | commit |",
+        "test2016 BLEU | chrF | paper metric | val BLEU (beam, α) | commit |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in sorted(runs, key=lambda item: (item["epochs_asked"], item["machine"]["cpu"])):
@@ -149,7 +157,7 @@ def table(runs):
             f"**{test['bleu']:.2f}**",
             f"{test['chrf']:.2f}",
             f"{test['paper_bleu']:.2f}",
-            f"{run['val']['bleu']:.2f} ({run['length_penalty']})",
+            f"{run['val']['bleu']:.2f} (beam {run['beam_size']}, α {run['length_penalty']})",
             str(machine["commit"]),
         ]
         lines.append("| " + " | ".join(cells) + " |")
@@ -189,7 +197,7 @@ def main():
     val, test = entry["val"], entry["test2016"]
     print(
         f"\nval: BLEU {val['bleu']:.2f}  chrF {val['chrf']:.2f}  paper BLEU {val['paper_bleu']:.2f}  "
-        f"(alpha {entry['length_penalty']}, chosen on val)"
+        f"(beam {entry['beam_size']}, alpha {entry['length_penalty']}, chosen on val)"
     )
     print(f"test2016: BLEU {test['bleu']:.2f}  chrF {test['chrf']:.2f}  paper BLEU {test['paper_bleu']:.2f}")
     print(f"  {test['bleu_signature']}\n  {test['paper_signature']}")

@@ -2,7 +2,8 @@
 # Multi30k EN->DE on a 2-core CPU, evaluation included: train the `mini` preset
 # (Transformer-Tiny's widths) with 3+3 layers for a fixed number of epochs,
 # average the last 10 epoch checkpoints (train --average-last), choose the
-# length penalty on val, then score val and test2016 once with it: sacreBLEU
+# beam size and length penalty on val (scripts/evaluate_multi30k_run.sh), then
+# score val and test2016 once with them: sacreBLEU
 # (+ signature), chrF and the paper metric (lowercased, Moses-tokenized BLEU).
 #
 #   scripts/reproduce_multi30k.sh [DATA_DIR] [RUN_DIR] [EPOCHS]
@@ -60,22 +61,8 @@ fi
     --epochs "$EPOCHS" --max-minutes "$MAX_MINUTES" --out "$RUN" --resume
 trained=$(date +%s)
 
-# The length penalty alpha, chosen on val (beam 5); test2016 is scored once.
-best_alpha=""; best_bleu=-1
-for alpha in 0.6 1.0 1.4; do
-    "$BIN/keras-transformer" evaluate --model "$RUN/averaged.keras" "${DATA[@]}" --split val \
-        --beam-size 5 --length-penalty "$alpha" --output "$RUN/translations-val-alpha$alpha.txt"
-    cp "$RUN/eval-multi30k-val.json" "$RUN/eval-val-alpha$alpha.json"
-    bleu=$("$BIN/python" -c "import json,sys; print(json.load(open(sys.argv[1]))['bleu'])" \
-           "$RUN/eval-val-alpha$alpha.json")
-    if "$BIN/python" -c "import sys; sys.exit(not float(sys.argv[1]) > float(sys.argv[2]))" \
-           "$bleu" "$best_bleu"; then
-        best_alpha=$alpha; best_bleu=$bleu
-    fi
-done
-cp "$RUN/eval-val-alpha$best_alpha.json" "$RUN/eval-multi30k-val.json"
-"$BIN/keras-transformer" evaluate --model "$RUN/averaged.keras" "${DATA[@]}" --split test \
-    --beam-size 5 --length-penalty "$best_alpha"
+# The beam size and length penalty alpha, chosen on val; test2016 is scored once.
+BIN="$BIN" scripts/evaluate_multi30k_run.sh "$RUN" "$DATA_DIR"
 end=$(date +%s)
 
 "$BIN/python" scripts/multi30k_recipe_report.py "$RUN" --epochs "$EPOCHS" \

@@ -28,8 +28,15 @@ def _fake_run(run, epochs, status="finished"):
     (run / "metrics.json").write_text(json.dumps(metrics))
     model = dict(num_layers=3, num_decoder_layers=3, d_model=128, num_heads=4, d_ff=256, dropout_rate=0.3)
     (run / "run.json").write_text(json.dumps({"model": {**model, "vocab_size": 8000, "pad_id": 0}}))
-    for name in ("eval-val-alpha0.6", "eval-val-alpha1.0", "eval-val-alpha1.4", "eval-multi30k-val"):
-        (run / f"{name}.json").write_text(json.dumps({**SCORES, "bleu": 35.0}))
+    # evaluate_multi30k_run.sh's candidates, and the file name of a run evaluated before beam sizes were
+    candidates = [
+        ("eval-val-beam8-alpha1.0", 8, 1.0),
+        ("eval-val-beam5-alpha0.6", 5, 0.6),
+        ("eval-val-alpha1.0", 5, 1.0),
+    ]
+    for name, beam, alpha in candidates + [("eval-multi30k-val", 5, 1.0)]:
+        evaluation = {**SCORES, "bleu": 35.0, "beam_size": beam, "length_penalty": alpha}
+        (run / f"{name}.json").write_text(json.dumps(evaluation))
     (run / "eval-multi30k-test.json").write_text(
         json.dumps({**SCORES, "beam_size": 5, "length_penalty": 1.0})
     )
@@ -68,7 +75,7 @@ def test_the_report_records_the_run_and_keeps_one_entry_per_machine_epochs_and_c
     assert entry["minutes"]["total"] == 60.0 and entry["minutes"]["training"] == 50.0
     assert entry["test2016"]["bleu"] == 36.5 and entry["val"]["bleu"] == 35.0
     assert (entry["beam_size"], entry["length_penalty"]) == (5, 1.0)  # as evaluate recorded them
-    assert list(entry["val_candidates"]) == ["0.6", "1.0", "1.4"]
+    assert list(entry["val_candidates"]) == ["beam 5, α 0.6", "beam 5, α 1.0", "beam 8, α 1.0"]
     assert [point["val_bleu"] for point in entry["curve"]] == [None, 20.0, None, 40.0]
     assert entry["machine"]["commit"] == "aaa" and entry["machine"]["cpu"]
     assert entry["model"]["num_layers"] == 3 and "pad_id" not in entry["model"]  # from run.json
@@ -96,7 +103,7 @@ def test_the_table_has_one_row_per_run_and_says_when_the_limit_cut_it(tmp_path):
     table = report.table(json.loads(results.read_text())["runs"]).splitlines()
     assert table[0].startswith("| epochs (updates) |") and len(table) == 3
     assert "| 5, cut at 3 by --max-minutes (435) | 3+3 layers, d_model 128, BPE 8000 |" in table[2]
-    assert "**36.50**" in table[2]
+    assert "**36.50**" in table[2] and "| 35.00 (beam 5, α 1.0) |" in table[2]
     document = tmp_path / "README.md"
     document.write_text(f"before\n{report.BEGIN}\nold table\n{report.END}\nafter\n")
     report.replace_table(document, "\n".join(table))
