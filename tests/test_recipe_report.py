@@ -28,7 +28,7 @@ def _fake_run(run, epochs, status="finished"):
     (run / "metrics.json").write_text(json.dumps(metrics))
     model = dict(num_layers=3, num_decoder_layers=3, d_model=128, num_heads=4, d_ff=256, dropout_rate=0.3)
     (run / "run.json").write_text(json.dumps({"model": {**model, "vocab_size": 8000, "pad_id": 0}}))
-    # evaluate_multi30k_run.sh's candidates, and the file name of a run evaluated before beam sizes were
+    # evaluate_multi30k_run.sh's candidates, and a run's file from before beam sizes were candidates
     candidates = [
         ("eval-val-beam8-alpha1.0", 8, 1.0),
         ("eval-val-beam5-alpha0.6", 5, 0.6),
