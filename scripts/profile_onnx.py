@@ -6,7 +6,8 @@ threads), then sums the kernel times of the profile by op type and prints
 each type's share, calls per decoding step, the nodes of the `Loop` body and
 the `--top-nodes` slowest nodes; and by part of the step (`part_of`: the
 decoder layers, the embedding, the output projection with log-softmax, the
-search's bookkeeping).
+search's bookkeeping, and what runs once per batch outside the decoding `Loop`:
+the encoder and the search's set-up).
 
     python scripts/profile_onnx.py EXPORT_DIR [--data-dir DIR] [--split test2016]
         [--sentences 32] [--threads 2] [--top-nodes 25] [--json results/profile_onnx.json]
@@ -60,22 +61,28 @@ def by_op_type(nodes):
     return totals
 
 
-def by_part(nodes):
-    """`{part of the step: microseconds}` of `profile`'s nodes (`part_of`)."""
+def by_part(nodes, step_nodes):
+    """`{part: microseconds}` of `profile`'s nodes (`part_of`); `step_nodes`: the names of the
+    decoding `Loop` body's nodes (the others run once per batch)."""
     parts = collections.defaultdict(float)
     for (name, op), micros in nodes.items():
-        parts[part_of(name, op)] += micros
+        parts[part_of(name, op, name in step_nodes)] += micros
     return parts
 
 
-PARTS = ("decoder layers", "embedding", "output projection + log-softmax", "search")
+ONCE = "once per batch: encoder, search set-up"
+PARTS = ("decoder layers", "embedding", "output projection + log-softmax", "search", ONCE)
 
 
-def part_of(name, op_type):
+def part_of(name, op_type, in_step=True):
     """Which part of a decoding step a node of `translate.onnx` belongs to, from its name (the
     TensorFlow scope tf2onnx keeps) and type: the decoder stack's layers, the target embedding
     and positional encoding, the tied output projection and log-softmax, or the search's own
-    bookkeeping (top-k, the beams' gathers, finished hypotheses, the loop's condition)."""
+    bookkeeping (top-k, the beams' gathers, finished hypotheses, the loop's condition); a node
+    outside the decoding `Loop` (`in_step` false: the encoder, the search's set-up and results)
+    runs once per batch, not per step (its time is still shown per step, as a share)."""
+    if not in_step:
+        return ONCE
     if "token_embedding" in name or "positional_encoding" in name:
         return "embedding"
     if "decoder" in name:
@@ -97,6 +104,7 @@ def main():
     model = onnx.load(path)
     main_nodes, loop_nodes = count_nodes(model)
     body = next(node for node in model.graph.node if node.op_type == "Loop").attribute[0].g
+    step_nodes = {node.name for node in body.node}
     step_node = next(node.name for node in body.node if node.op_type in ("MatMul", "MatMulInteger"))
     sentences = harness.sentences(args)[: args.sentences]
     translator = OnnxTranslator(args.export_dir, "full")
@@ -113,7 +121,7 @@ def main():
         ("batch 32", [translator.encode(sentences)]),
     ):
         nodes, calls, steps = profile(path, batches, args.threads, step_node)
-        totals, parts = by_op_type(nodes), by_part(nodes)
+        totals, parts = by_op_type(nodes), by_part(nodes, step_nodes)
         busy = sum(totals.values())
         print(
             f"\n{label}: {steps} decoding steps, {calls / steps:.0f} kernel calls and "
@@ -137,7 +145,13 @@ def main():
         harness.print_table(
             ["node", "op type", "part", "share", "ms per step"],
             [
-                [name[-60:], op, part_of(name, op), f"{100 * us / busy:.1f}%", f"{us / steps / 1000:.3f}"]
+                [
+                    name[-60:],
+                    op,
+                    part_of(name, op, name in step_nodes),
+                    f"{100 * us / busy:.1f}%",
+                    f"{us / steps / 1000:.3f}",
+                ]
                 for (name, op), us in slowest
             ],
         )
@@ -148,7 +162,12 @@ def main():
             "kernel_ms_per_step": busy / steps / 1000,
             "op_share_percent": {k: 100 * v / busy for k, v in totals.items()},
             "slowest_nodes": [
-                {"node": name, "op_type": op, "part": part_of(name, op), "share_percent": 100 * us / busy}
+                {
+                    "node": name,
+                    "op_type": op,
+                    "part": part_of(name, op, name in step_nodes),
+                    "share_percent": 100 * us / busy,
+                }
                 for (name, op), us in slowest
             ],
         }
