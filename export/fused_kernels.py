@@ -24,7 +24,8 @@ of sampling):
    below ~9,900 in size.
 3. **Residual + bias + LayerNorm** -> one `SkipLayerNormalization`: a post-norm sublayer's
    `LayerNormalization(x + (MatMul(h, W) + b))` becomes `SkipLayerNormalization(MatMul(h, W),
-   x, γ, β, b)`.
+   x, γ, β, b)`; in an int8 graph the product is `MatMulInteger`'s output scaled back to float
+   (a `Mul`, `keras_transformer_export.quantization`), the same pattern otherwise.
 
 The arithmetic is the same up to the order of float operations (fused kernels sum and
 normalize in their own order), so a hypothesis whose score ties another's within ~1e-6 can
@@ -51,6 +52,9 @@ FUSIONS = ("self_attention", "cross_attention", "skip_layer_norm")  # 1, 2, 3 ab
 # threads, test2016) the self-attention kernel made the step slower than our nodes: batch 1
 # 1.05x and batch 32 0.98x of the portable graph with all three, 1.16x and 0.99x without it.
 DEFAULT_FUSIONS = ("cross_attention", "skip_layer_norm")
+# What makes a sublayer's output before its bias (fusion 3): a float product, or an int8 one
+# scaled back to float (`MatMulInteger` -> `Cast` -> `Mul` by the two scales).
+PRODUCTS = ("MatMul", "Mul")
 
 
 def fuse_for_onnx_runtime(model, fusions=DEFAULT_FUSIONS):
@@ -339,7 +343,7 @@ class _Fuser:
                     bias is not None
                     and bias.ndim == 1
                     and product is not None
-                    and product.op_type == "MatMul"
+                    and product.op_type in PRODUCTS
                 ):
                     skip = residual.input[1 - index]
                     node = helper.make_node(
