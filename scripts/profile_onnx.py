@@ -20,6 +20,7 @@ import os
 import harness
 import onnx  # noqa: E402
 import onnxruntime  # noqa: E402
+from count_loop_nodes import main_body  # noqa: E402
 
 from keras_transformer_export.graph_rewrites import count_nodes  # noqa: E402
 from keras_transformer_export.onnx_runtime import OnnxTranslator, read_metadata  # noqa: E402
@@ -61,12 +62,11 @@ def by_op_type(nodes):
     return totals
 
 
-def by_part(nodes, step_nodes):
-    """`{part: microseconds}` of `profile`'s nodes (`part_of`); `step_nodes`: the names of the
-    decoding `Loop` body's nodes (the others run once per batch)."""
+def by_part(nodes, part):
+    """`{part: microseconds}` of `profile`'s nodes, `part` giving each node's (`part_of`)."""
     parts = collections.defaultdict(float)
-    for (name, op), micros in nodes.items():
-        parts[part_of(name, op, name in step_nodes)] += micros
+    for key, micros in nodes.items():
+        parts[part[key]] += micros
     return parts
 
 
@@ -103,7 +103,7 @@ def main():
     path = os.path.join(args.export_dir, "translate.onnx")
     model = onnx.load(path)
     main_nodes, loop_nodes = count_nodes(model)
-    body = next(node for node in model.graph.node if node.op_type == "Loop").attribute[0].g
+    body = main_body(model)
     step_nodes = {node.name for node in body.node}
     step_node = next(node.name for node in body.node if node.op_type in ("MatMul", "MatMulInteger"))
     sentences = harness.sentences(args)[: args.sentences]
@@ -121,7 +121,8 @@ def main():
         ("batch 32", [translator.encode(sentences)]),
     ):
         nodes, calls, steps = profile(path, batches, args.threads, step_node)
-        totals, parts = by_op_type(nodes), by_part(nodes, step_nodes)
+        part = {(name, op): part_of(name, op, name in step_nodes) for name, op in nodes}
+        totals, parts = by_op_type(nodes), by_part(nodes, part)
         busy = sum(totals.values())
         print(
             f"\n{label}: {steps} decoding steps, {calls / steps:.0f} kernel calls and "
@@ -148,7 +149,7 @@ def main():
                 [
                     name[-60:],
                     op,
-                    part_of(name, op, name in step_nodes),
+                    part[name, op],
                     f"{100 * us / busy:.1f}%",
                     f"{us / steps / 1000:.3f}",
                 ]
@@ -165,7 +166,7 @@ def main():
                 {
                     "node": name,
                     "op_type": op,
-                    "part": part_of(name, op, name in step_nodes),
+                    "part": part[name, op],
                     "share_percent": 100 * us / busy,
                 }
                 for (name, op), us in slowest
