@@ -12,6 +12,8 @@ so the signature never hands the compiled search a shape outside a fixed set:
          rows are an EOS alone), L in `source_lengths` (pad ids; the encoder
          masks them, and each sentence's output limit counts its own ids)
       -> the beam search on (B, L) with the fixed-size cache        [XLA]
+         (one function per B, chosen by a `switch_case`, so that the search
+         knows B when traced and halves its batch as sentences finish)
       -> the chunk's own rows, detokenized                         [plain graph]
 
 so at most `len(batch_sizes) x len(source_lengths)` programs are ever compiled,
@@ -30,6 +32,7 @@ to load a version whose warmup fails: serve it with the flag, or export without
 """
 
 import dataclasses
+import functools
 
 import numpy as np
 import tensorflow as tf
@@ -71,10 +74,19 @@ class XlaBuckets:
         return [(b, n) for b in self.batch_sizes for n in self.source_lengths]
 
 
+def _bucket_index(size, sizes):
+    """The index of the smallest of `sizes` (sorted, int32 `(k,)`) that is >= `size`, else of the largest."""
+    return tf.minimum(tf.reduce_sum(tf.cast(sizes < size, tf.int32)), tf.size(sizes) - 1)
+
+
 def _bucket(size, sizes):
     """The smallest of `sizes` (sorted, int32 `(k,)`) that is >= `size`, else the largest."""
-    index = tf.minimum(tf.reduce_sum(tf.cast(sizes < size, tf.int32)), tf.size(sizes) - 1)
-    return tf.gather(sizes, index)
+    return tf.gather(sizes, _bucket_index(size, sizes))
+
+
+def _run_on(function, source_ids, batch):
+    """`function` (traced for `batch` rows) on `source_ids` `(batch, len_src)`."""
+    return function(tf.reshape(source_ids, [batch, -1]))
 
 
 def translate_xla_function(graphs, buckets=XlaBuckets()):
@@ -88,12 +100,17 @@ def translate_xla_function(graphs, buckets=XlaBuckets()):
         found = decode(graphs.model, source_ids, graphs.options, graphs.beam_size, cache_policy="fixed")
         return found.ids[:, 0], found.scores[:, 0]
 
-    compiled = tf.function(
-        search,
-        input_signature=[tf.TensorSpec([None, None], tf.int32)],
-        jit_compile=True,
-        autograph=False,
-    )
+    # One function per batch size, traced with that size: the fixed-cache search then knows how
+    # often it can halve its batch as sentences finish (`keras_transformer.decoding.search`).
+    compiled = [
+        tf.function(
+            search,
+            input_signature=[tf.TensorSpec([size, None], tf.int32)],
+            jit_compile=True,
+            autograph=False,
+        )
+        for size in buckets.batch_sizes
+    ]
     batch_sizes = tf.constant(buckets.batch_sizes, tf.int32)
     largest = buckets.batch_sizes[-1]
     blank = tf.constant(graphs.blank)
@@ -109,11 +126,19 @@ def translate_xla_function(graphs, buckets=XlaBuckets()):
         def chunk(index, ids, scores):
             rows = source_ids[index * largest : (index + 1) * largest]
             size = tf.shape(rows)[0]
+            which = _bucket_index(size, batch_sizes)
             filler = tf.one_hot(
-                tf.zeros([_bucket(size, batch_sizes) - size], tf.int32), length,
+                tf.zeros([batch_sizes[which] - size], tf.int32), length,
                 on_value=config.eos_id, off_value=config.pad_id, dtype=tf.int32,
             )  # fmt: skip
-            found_ids, found_scores = compiled(tf.concat([rows, filler], axis=0))
+            padded = tf.concat([rows, filler], axis=0)
+            found_ids, found_scores = tf.switch_case(
+                which,
+                [
+                    functools.partial(_run_on, function, padded, n)
+                    for function, n in zip(compiled, buckets.batch_sizes)
+                ],
+            )
             return index + 1, ids.write(index, found_ids[:size]), scores.write(index, found_scores[:size])
 
         arrays = (

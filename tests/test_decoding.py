@@ -3,6 +3,7 @@ import pytest
 import tensorflow as tf
 
 import keras_transformer as kt
+from keras_transformer.decoding import search as search_module
 
 
 def _reversed_with_eos(source, eos_id=3):
@@ -131,7 +132,10 @@ def test_batch_invariance(reverse_model, search):
 
 
 @pytest.mark.parametrize("search", ["greedy", "beam"])
-def test_xla_compiled_decoding_gives_the_eager_tokens(reverse_model, search):
+def test_xla_compiled_decoding_gives_the_eager_tokens(reverse_model, search, monkeypatch):
+    """Under XLA the beam search halves its batch of 8 as sentences finish (8 -> 4 -> 2 -> 1)
+    and finds its candidates blockwise (blocks of 4 columns here, so that this small vocabulary
+    takes that path): the eager tokens, whole pools included."""
     model = reverse_model.model
     sources = _unseen_sources(8, seed=23)
     if search == "greedy":
@@ -139,14 +143,33 @@ def test_xla_compiled_decoding_gives_the_eager_tokens(reverse_model, search):
         def decode(s):
             return kt.greedy_search(model, s)
     else:
+        monkeypatch.setattr(search_module, "TOP_K_BLOCK", 4)
 
         def decode(s):
-            return kt.beam_search(model, s, beam_size=4)
+            return kt.beam_search(model, s, beam_size=4, num_return=4)
 
     eager = decode(sources)
     compiled = tf.function(decode, jit_compile=True)(tf.constant(sources))
     np.testing.assert_array_equal(compiled.ids, eager.ids)
     np.testing.assert_allclose(compiled.scores, eager.scores, atol=1e-4)
+
+
+def test_blockwise_top_k_under_xla_is_top_k_ties_included():
+    """`_top_candidates` (XLA's path) returns `top_k`'s values and indices, the lower index first
+    among equal values: rows of few distinct values, all equal, all impossible, one -inf pad."""
+    rng = np.random.default_rng(3)
+    values = rng.integers(-5, 1, size=(5, 1003)).astype("float32")  # 1003: the last block padded
+    values[1] = 0.0
+    values[2] = -1.0e9
+    values[3, ::7] = 2.0  # more maxima than k, in many blocks
+    values[4] = np.sort(rng.normal(size=1003)).astype("float32")  # the best in the padded block
+    for k in (1, 4):
+        found = tf.function(lambda v, k=k: search_module._top_candidates(v, k, block=16), jit_compile=True)(
+            values
+        )
+        expected = tf.math.top_k(values, k=k)
+        np.testing.assert_array_equal(found[0], expected.values)
+        np.testing.assert_array_equal(found[1], expected.indices)
 
 
 @pytest.mark.parametrize("search", ["greedy", "beam"])
@@ -172,7 +195,7 @@ def test_both_cache_policies_give_the_same_tokens_eagerly_and_in_a_graph(reverse
 
 def test_finished_sentences_leave_the_batch(reverse_model, monkeypatch):
     """With the growing cache a sentence whose search is final stops costing decoder rows;
-    its result stays in input order."""
+    its result stays in input order. The fixed cache sheds them in halvings of the batch."""
     model = reverse_model.model
     sources = _unseen_sources(6, seed=41)
     sources[0, 2:] = 0  # a short sentence finishes early
@@ -190,7 +213,11 @@ def test_finished_sentences_leave_the_batch(reverse_model, monkeypatch):
     rows.clear()
     fixed = kt.beam_search(model, sources, beam_size=2, cache_policy="fixed")
     np.testing.assert_array_equal(growing.ids, fixed.ids)
-    assert rows == [12] * len(rows) and steps_growing == len(rows)
+    # The fixed cache keeps static shapes: it halves its batch (6 -> 3 -> 2 -> 1 sentences) once
+    # that many are left, never below the live ones, and takes as many steps.
+    assert set(rows) <= {12, 6, 4, 2} and rows == sorted(rows, reverse=True) and rows[-1] < 12
+    assert steps_growing == len(rows)
+    assert all(fixed_rows >= growing_rows for fixed_rows, growing_rows in zip(rows, rows_growing))
     assert (
         rows_growing[0] == 12 and rows_growing[-1] < 12 and rows_growing == sorted(rows_growing, reverse=True)
     )
