@@ -7,7 +7,7 @@ size and GNMT length penalty, 2 threads each:
 | runtime             | what runs |
 |---------------------|-----------|
 | keras               | `keras_transformer.Translator`: tf-text tokenization, beam search in one `tf.function` (no XLA; growing cache, finished sentences leave the batch) |
-| keras (fixed cache) | the same with `cache_policy="fixed"`: preallocated cache, every sentence stays to the end (what XLA and JAX run) |
+| keras (fixed cache) | the same with `cache_policy="fixed"`: preallocated cache, the batch halved as sentences finish (what XLA and JAX run) |
 | saved_model         | `serving_default` of the exported SavedModel (what TF Serving runs; no XLA) |
 | saved_model_xla     | `translate_xla` of the same SavedModel (`export --xla`: the search compiled by XLA on bucketed shapes, fixed cache; what TF Serving runs with `--xla_cpu_compilation_enabled=true`), after its warmup records compiled every bucket |
 | onnx_full (before)  | `translate.onnx` as tf2onnx converts it (the export before `keras_transformer_export.graph_rewrites`) |
