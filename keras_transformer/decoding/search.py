@@ -81,9 +81,7 @@ def resolve_cache_policy(cache_policy):
     """`"growing"` or `"fixed"` for `cache_policy` (`"auto"`: fixed on JAX and under XLA)."""
     if cache_policy not in CACHE_POLICIES:
         raise ValueError(f"cache_policy must be one of {CACHE_POLICIES}; got {cache_policy!r}.")
-    static_shapes = keras.backend.backend() == "jax" or (
-        keras.backend.backend() == "tensorflow" and in_xla_computation()
-    )
+    static_shapes = _compiled_by_xla()
     if cache_policy == "growing" and static_shapes:
         raise ValueError(
             'cache_policy="growing" changes tensor shapes every step, which XLA and JAX cannot '
@@ -92,6 +90,14 @@ def resolve_cache_policy(cache_policy):
     if cache_policy == "auto":
         return "fixed" if static_shapes else "growing"
     return cache_policy
+
+
+def _compiled_by_xla():
+    """Whether the search is being compiled by XLA, which needs static shapes: on JAX, or while
+    TensorFlow traces a `jit_compile=True` function."""
+    return keras.backend.backend() == "jax" or (
+        keras.backend.backend() == "tensorflow" and in_xla_computation()
+    )
 
 
 def _while_loop(cond, body, loop_vars, shapes_change):
@@ -617,10 +623,7 @@ def _top_candidates(candidates, k, block=None):
     graphs: ONNX Runtime's `TopK` is fast) the plain `top_k`.
     """
     n, block = candidates.shape[-1], block or TOP_K_BLOCK
-    xla = keras.backend.backend() == "jax" or (
-        keras.backend.backend() == "tensorflow" and in_xla_computation()
-    )
-    if not xla or not isinstance(n, int) or n <= 4 * k * block:
+    if not _compiled_by_xla() or not isinstance(n, int) or n <= 4 * k * block:
         return ops.top_k(candidates, k=k)
     blocks = -(-n // block)
     padded = ops.pad(candidates, ((0, 0), (0, blocks * block - n)), constant_values=float("-inf"))
@@ -798,13 +801,11 @@ class _BeamSearch:
         state = dict(state, results=self._write_results(state, ops.arange(rows, dtype="int32")))
         order = ops.where(state["done"], rows, 0) + ops.arange(rows, dtype="int32")
         staying = ops.cast(ops.top_k(-order, k=size)[1], "int32")  # (size,) live first, in order
-        last = ops.reshape(state["last"], (rows, self.beam_size))
-        for key in self.SENTENCE_KEYS + self.prefix_keys:
-            state[key] = gather_rows(state[key], staying)
-        state["last"] = ops.reshape(gather_rows(last, staying), (-1,))
         beams = staying[:, None] * self.beam_size + ops.arange(self.beam_size, dtype="int32")
-        decoder_state = self.decoder.reorder(state["decoder_state"], ops.reshape(beams, (-1,)))
-        state["decoder_state"] = self.decoder.select_sentences(decoder_state, staying)
+        state["decoder_state"] = self.decoder.reorder(state["decoder_state"], ops.reshape(beams, (-1,)))
+        state["last"] = ops.reshape(state["last"], (rows, self.beam_size))
+        state = self._keep(state, staying)
+        state["last"] = ops.reshape(state["last"], (-1,))
         return state
 
     def _not_done(self, state):
@@ -873,6 +874,13 @@ class _BeamSearch:
         state = dict(
             state, results=self._write_results(state, ops.cast(ops.where(state["done"])[0], "int32"))
         )
+        return self._keep(state, staying)
+
+    def _keep(self, state, staying):
+        """`state` (a new dict) of the sentences `staying` `(kept,)` only: the per-sentence tensors,
+        `last` `(sentences, beam)` and the decoder's per-sentence state (its per-beam rows are
+        the caller's: `reorder`)."""
+        state = dict(state)
         for key in self.SENTENCE_KEYS + self.prefix_keys + ("last",):
             state[key] = gather_rows(state[key], staying)
         state["decoder_state"] = self.decoder.select_sentences(state["decoder_state"], staying)
