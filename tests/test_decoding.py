@@ -135,9 +135,11 @@ def test_batch_invariance(reverse_model, search):
 def test_xla_compiled_decoding_gives_the_eager_tokens(reverse_model, search, monkeypatch):
     """Under XLA the beam search halves its batch of 8 as sentences finish (8 -> 4 -> 2 -> 1)
     and finds its candidates blockwise (blocks of 4 columns here, so that this small vocabulary
-    takes that path): the eager tokens, whole pools included."""
+    takes that path); the fixed cache is split after 4 positions (so that these short outputs
+    cross into the tail): the eager tokens, whole pools included."""
     model = reverse_model.model
     sources = _unseen_sources(8, seed=23)
+    monkeypatch.setattr(search_module, "FIXED_CACHE_BLOCK", 4)
     if search == "greedy":
 
         def decode(s):
@@ -172,9 +174,14 @@ def test_blockwise_top_k_under_xla_is_top_k_ties_included():
         np.testing.assert_array_equal(found[1], expected.indices)
 
 
+@pytest.mark.parametrize("block", [32, 4])
 @pytest.mark.parametrize("search", ["greedy", "beam"])
-def test_both_cache_policies_give_the_same_tokens_eagerly_and_in_a_graph(reverse_model, search):
-    """The growing cache (sentences leaving the batch) and the fixed-size one (all stay)."""
+def test_both_cache_policies_give_the_same_tokens_eagerly_and_in_a_graph(
+    reverse_model, search, block, monkeypatch
+):
+    """The growing cache (sentences leaving the batch) and the fixed-size one (all stay), that
+    one split after `block` positions (4: the outputs cross into the tail)."""
+    monkeypatch.setattr(search_module, "FIXED_CACHE_BLOCK", block)
     model = reverse_model.model
     sources = _unseen_sources(12, seed=37)
 
@@ -221,6 +228,34 @@ def test_finished_sentences_leave_the_batch(reverse_model, monkeypatch):
     assert (
         rows_growing[0] == 12 and rows_growing[-1] < 12 and rows_growing == sorted(rows_growing, reverse=True)
     )
+
+
+@pytest.mark.parametrize("search", ["greedy", "beam"])
+def test_a_fixed_cache_steps_over_its_first_block_alone(reverse_model, search, monkeypatch):
+    """The steps before position `FIXED_CACHE_BLOCK` decode against that many cache positions;
+    the later ones against all (source length + 50), with the same tokens as the growing cache."""
+    monkeypatch.setattr(search_module, "FIXED_CACHE_BLOCK", 3)
+    model = reverse_model.model
+    sources = _unseen_sources(4, seed=47)
+    sizes = []
+    decode_step = type(model).decode_step
+
+    def recording(self, token_ids, step, cache, memory_mask):
+        sizes.append((int(step), int(cache.self_key[0].shape[2])))
+        return decode_step(self, token_ids, step, cache, memory_mask)
+
+    def decode(policy):
+        if search == "greedy":
+            return kt.greedy_search(model, sources, cache_policy=policy)
+        return kt.beam_search(model, sources, beam_size=3, num_return=3, cache_policy=policy)
+
+    growing = decode("growing")
+    monkeypatch.setattr(type(model), "decode_step", recording)
+    fixed = decode("fixed")
+    np.testing.assert_array_equal(fixed.ids, growing.ids)
+    max_len = min(sources.shape[1] + 50, model.config.max_length)  # the cache's positions
+    assert sizes[:3] == [(0, 3), (1, 3), (2, 3)]
+    assert len(sizes) > 3 and all(size == max_len for _, size in sizes[3:]), sizes
 
 
 def test_a_growing_cache_under_xla_is_refused_with_advice(reverse_model):

@@ -19,7 +19,10 @@ decoding_cache`):
   stays in the batch, but the beam search halves its batch once at most half
   of it is live (a loop per batch size: `batch`, `batch / 2`, ..., 1, each
   compiled; the live sentences move to the front, finished ones fill the
-  rest), so the tail of a batch costs the rows it needs, within 2x.
+  rest), so the tail of a batch costs the rows it needs, within 2x. The
+  steps before position `FIXED_CACHE_BLOCK` (32) read and write only the
+  cache's first 32 positions, and a beam search's reorder of the cache rows
+  is done by the next step as it writes (`_CachedDecoder`).
 Both give the same tokens. With `use_cache=False` the decoder re-runs over
 the whole prefix every step (as the TensorFlow tutorial does; for
 benchmarks, not XLA).
@@ -62,6 +65,7 @@ from keras_transformer.layers.portable_ops import argmax, gather_rows, write_at
 from keras_transformer.utils.checks import check_positive_int
 
 TOP_K_BLOCK = 128  # columns per block of `_top_candidates`
+FIXED_CACHE_BLOCK = 32  # positions of a fixed cache that the steps before the 32nd read alone
 STAGED_HALVINGS = 5  # a fixed-cache search of a batch unknown when traced: down to 1/32 of it
 
 
@@ -666,36 +670,121 @@ def _make_decoder(model, setup, beam_size, use_cache, cache_policy):
     return _CachedDecoder(model, setup, beam_size, resolve_cache_policy(cache_policy))
 
 
+class _DecoderState(NamedTuple):
+    """`_CachedDecoder`'s loop state. A fixed cache of more than `FIXED_CACHE_BLOCK` positions
+    is split: `cache` holds its first `FIXED_CACHE_BLOCK` positions and `tail` the others (the
+    self-attention keys, then values, of each layer `(rows, num_heads, max_len - block,
+    depth)`; else `()`). `origins` `(rows,)`: the rows the next step's beams extend, a reorder
+    deferred to the next step (a fixed cache in a beam search; else `()`)."""
+
+    cache: object  # DecodingCache
+    memory_mask: object  # (sentences, 1, len_src)
+    tail: tuple = ()
+    origins: object = ()
+
+
 class _CachedDecoder:
-    """One position per step. State: `(DecodingCache, memory_mask (sentences, 1, len_src))`;
-    the self-attention cache has a row per beam, the cross-attention one a row per sentence."""
+    """One position per step; the self-attention cache has a row per beam, the cross-attention
+    one a row per sentence (`_DecoderState`).
+
+    A fixed cache costs per step what the step needs, not what its size allows:
+    - One longer than `FIXED_CACHE_BLOCK` positions is split, and a step before position
+      `FIXED_CACHE_BLOCK` reads, reorders and writes the first block only (a `cond`; the tail,
+      never written until then, passes through): the cache is sized for the longest output
+      allowed (source length + 50), most outputs are shorter than the block. A later step
+      joins the two parts (a copy) and splits them again.
+    - A beam search defers each step's reorder to the next step, which gathers the cache rows
+      as it writes its keys and values (one pass under XLA; reordered after the step, the cache
+      was read and written twice).
+    Both give the same tokens."""
 
     def __init__(self, model, setup, beam_size, policy):
         self.model, self.setup, self.beam_size, self.policy = model, setup, beam_size, policy
         self.grows = policy == "growing"  # shapes change; finished sentences leave the batch
+        self.defers = not self.grows and beam_size > 1
+        max_len = setup.max_len  # a Python int where shapes are static (XLA)
+        split = not self.grows and isinstance(max_len, int) and max_len > FIXED_CACHE_BLOCK
+        self.block = FIXED_CACHE_BLOCK if split else None
 
     def initial_state(self):
-        max_length = None if self.grows else self.setup.max_len
-        return self.model.init_cache(self.setup.memory, max_length, self.beam_size), self.setup.memory_mask
+        max_length = None if self.grows else (self.block or self.setup.max_len)
+        cache = self.model.init_cache(self.setup.memory, max_length, self.beam_size)
+        rows, heads, _, depth = ops.shape(cache.self_key[0])
+        tail = ()
+        if self.block:
+            shape = (rows, heads, self.setup.max_len - self.block, depth)
+            tail = tuple(ops.zeros(shape, t.dtype) for t in _self_attention(cache))
+        origins = ops.arange(rows, dtype="int32") if self.defers else ()
+        return _DecoderState(cache, self.setup.memory_mask, tail, origins)
 
     def step(self, last_tokens, prefix, step, state):
-        cache, memory_mask = state
-        logits, cache = self.model.decode_step(
-            last_tokens, None if self.policy == "growing" else step, cache, memory_mask
-        )
-        return logits, (cache, memory_mask)
+        cache, memory_mask = state.cache, state.memory_mask
+        if self.grows:
+            logits, cache = self.model.decode_step(last_tokens, None, cache, memory_mask)
+            return logits, state._replace(cache=cache)
 
-    @staticmethod
-    def reorder(state, flat_beam_index):
-        """Gathers the self-attention caches by beam origin `(rows,)` (one gather per tensor)."""
-        cache, memory_mask = state
-        return cache.reorder(flat_beam_index), memory_mask
+        def decode(cache):
+            if self.defers:
+                cache = cache.reorder(state.origins)  # the previous step's beams
+            return self.model.decode_step(last_tokens, step, cache, memory_mask)
+
+        if not self.block:
+            logits, cache = decode(cache)
+            return logits, state._replace(cache=cache)
+
+        def within_block():
+            logits, written = decode(cache)
+            return logits, _self_attention(written), state.tail
+
+        def beyond_block():
+            logits, written = decode(_joined(cache, state.tail))
+            tensors = _self_attention(written)
+            head = tuple(t[:, :, : self.block] for t in tensors)
+            return logits, head, tuple(t[:, :, self.block :] for t in tensors)
+
+        logits, head, tail = ops.cond(step < self.block, within_block, beyond_block)
+        layers = cache.num_layers
+        cache = cache.with_self_attention(head[:layers], head[layers:])
+        return logits, state._replace(cache=cache, tail=tail)
+
+    def reorder(self, state, flat_beam_index):
+        """The self-attention caches gathered by beam origin `flat_beam_index` `(rows,)` (one
+        gather per tensor), or the next step's gather, deferred."""
+        if self.defers:
+            return state._replace(origins=flat_beam_index)
+        return _rows_of(state, flat_beam_index)
+
+    def select_rows(self, state, rows):
+        """The self-attention caches of the rows `rows` `(new_rows,)` now (the batch shrinks),
+        after any deferred reorder."""
+        if self.defers:
+            rows = gather_rows(state.origins, rows)
+            state = state._replace(origins=ops.arange(ops.shape(rows)[0], dtype="int32"))
+        return _rows_of(state, rows)
 
     @staticmethod
     def select_sentences(state, indices):
         """Keeps the sentences `indices` of the per-sentence tensors."""
-        cache, memory_mask = state
-        return cache.select_sentences(indices), gather_rows(memory_mask, indices)
+        return state._replace(
+            cache=state.cache.select_sentences(indices), memory_mask=gather_rows(state.memory_mask, indices)
+        )
+
+
+def _self_attention(cache):
+    """A `DecodingCache`'s self-attention keys, then values (a tuple of `2 * num_layers`)."""
+    return cache.self_key + cache.self_value
+
+
+def _joined(cache, tail):
+    """`cache` with the split-off positions `tail` (`_DecoderState.tail`) after its own."""
+    tensors = [ops.concatenate([t, rest], axis=2) for t, rest in zip(_self_attention(cache), tail)]
+    return cache.with_self_attention(tensors[: cache.num_layers], tensors[cache.num_layers :])
+
+
+def _rows_of(state, rows):
+    """`state` with the self-attention cache rows `rows` (its tail too)."""
+    tail = tuple(gather_rows(t, rows) for t in state.tail)
+    return state._replace(cache=state.cache.reorder(rows), tail=tail)
 
 
 class _PrefixDecoder:
@@ -802,7 +891,7 @@ class _BeamSearch:
         order = ops.where(state["done"], rows, 0) + ops.arange(rows, dtype="int32")
         staying = ops.cast(ops.top_k(-order, k=size)[1], "int32")  # (size,) live first, in order
         beams = staying[:, None] * self.beam_size + ops.arange(self.beam_size, dtype="int32")
-        state["decoder_state"] = self.decoder.reorder(state["decoder_state"], ops.reshape(beams, (-1,)))
+        state["decoder_state"] = self.decoder.select_rows(state["decoder_state"], ops.reshape(beams, (-1,)))
         state["last"] = ops.reshape(state["last"], (rows, self.beam_size))
         state = self._keep(state, staying)
         state["last"] = ops.reshape(state["last"], (-1,))
