@@ -74,7 +74,6 @@ run. MFU stays relative to the float32 matmul rate.
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -221,45 +220,24 @@ def timed_pass(model, dataset):
     return sum(timer.steps)
 
 
-class BaselineWorker:
+class BaselineWorker(harness.LineWorker):
     """One "ours batched" variant built by another commit's library (or this tree's with other
     `environment` variables), in a process of its own.
 
     The process (this script with `--worker`) imports the library from `tree`,
     builds the model on the batches saved in `batches_path`, trains its untimed
-    pass, and then times one pass each time it is asked, so that its passes
-    interleave with the in-process variants'.
+    pass (then `info`: parameters, compute dtype, library path), and then times one
+    pass each time it is asked, so that its passes interleave with the in-process variants'.
     """
 
     def __init__(self, tree, batches_path, model_name, vocab_size, jit_compile, policy, environment=None):
         spec = dict(
             batches=str(batches_path), model=model_name, vocab_size=vocab_size, xla=jit_compile, policy=policy
         )
-        self.process = subprocess.Popen(
-            [sys.executable, __file__, "--worker", json.dumps(spec)],
-            env={**os.environ, BASELINE_TREE: str(tree), **(environment or {})},
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        self.info = self._answer()  # after the untimed pass: parameters, compute dtype, library path
-
-    def _answer(self):
-        line = self.process.stdout.readline()
-        if not line:
-            raise RuntimeError(
-                f"the baseline worker stopped (exit code {self.process.wait()}); see its stderr above"
-            )
-        return json.loads(line)
+        super().__init__(__file__, spec, BASELINE_TREE, tree, environment)
 
     def timed_pass(self):
-        self.process.stdin.write("pass\n")
-        self.process.stdin.flush()
-        return self._answer()["seconds"]
-
-    def close(self):
-        self.process.stdin.close()
-        self.process.wait()
+        return self.ask("pass")["seconds"]
 
 
 def model_config(model_name, vocab_size):

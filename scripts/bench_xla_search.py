@@ -18,7 +18,6 @@ variant and order, the ratio to the baseline, and how many translations equal th
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,6 +51,17 @@ def batches(tokenizer, config, sentences, batch, sort):
     return out
 
 
+def compiled_search(tf, model, beam_size):
+    """The search `translate_xla` compiles: `source_ids (batch, L)` -> the best ids, under
+    `tf.function(jit_compile=True)` with the fixed-size cache (one program per shape)."""
+    from keras_transformer.decoding.request import decode
+
+    def search(source_ids):
+        return decode(model, source_ids, None, beam_size, cache_policy="fixed").ids[:, 0]
+
+    return tf.function(search, jit_compile=True, autograph=False)
+
+
 def worker(spec):
     """The `--worker` side: compiles, then one JSON line per pass asked for on stdin."""
     spec = json.loads(spec)
@@ -60,18 +70,12 @@ def worker(spec):
 
     import keras_transformer
     from keras_transformer.data.tokenizer import Tokenizer
-    from keras_transformer.decoding.request import decode
     from keras_transformer.training.run_directory import load_model
 
     model = load_model(spec["model"])
     tokenizer = Tokenizer.load(spec["tokenizer"])
     sentences = harness.read_multi30k(spec["data_dir"], "test2016")[0]
-
-    def search(source_ids):
-        found = decode(model, source_ids, None, spec["beam_size"], cache_policy="fixed")
-        return found.ids[:, 0]
-
-    compiled = tf.function(search, jit_compile=True, autograph=False)
+    compiled = compiled_search(tf, model, spec["beam_size"])
     orders = {order: batches(tokenizer, model.config, sentences, spec["batch"], sort) for order, sort in
               zip(ORDERS, (False, True))}  # fmt: skip
     tick = time.perf_counter()
@@ -95,33 +99,6 @@ def worker(spec):
         for array in orders[order]:
             compiled(array).numpy()
         print(json.dumps(dict(seconds=time.perf_counter() - tick)), flush=True)
-
-
-class Worker:
-    def __init__(self, tree, spec):
-        self.process = subprocess.Popen(
-            [sys.executable, __file__, "--worker", json.dumps(spec)],
-            env={**os.environ, TREE: str(tree)},
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        self.info = self._answer()
-
-    def _answer(self):
-        line = self.process.stdout.readline()
-        if not line:
-            raise RuntimeError(f"a worker stopped (exit code {self.process.wait()}); see its stderr above")
-        return json.loads(line)
-
-    def timed_pass(self, order):
-        self.process.stdin.write(order + "\n")
-        self.process.stdin.flush()
-        return self._answer()["seconds"]
-
-    def close(self):
-        self.process.stdin.close()
-        self.process.wait()
 
 
 def main():
@@ -151,12 +128,12 @@ def main():
             batch=args.batch, beam_size=args.beam_size, out=str(outs[name]),
         )  # fmt: skip
         print(f"compiling {name} ...", flush=True)
-        workers[name] = Worker(tree, spec)
+        workers[name] = harness.LineWorker(__file__, spec, TREE, tree)
     seconds = {(name, order): [] for name in workers for order in ORDERS}
     for _ in range(args.rounds):
         for order in ORDERS:
             for name, worker_ in workers.items():
-                seconds[name, order].append(worker_.timed_pass(order))
+                seconds[name, order].append(worker_.ask(order)["seconds"])
     for worker_ in workers.values():
         worker_.close()
 

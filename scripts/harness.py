@@ -167,6 +167,39 @@ def machine():
     )
 
 
+class LineWorker:
+    """A benchmark variant in a process of its own (`script --worker SPEC`), driven one JSON line
+    at a time: it answers one line when ready (`info`) and one per request (`ask`). The
+    environment variable `tree_variable` names the library tree it imports (another commit's,
+    from `extract_tree`), so its passes can interleave with this tree's."""
+
+    def __init__(self, script, spec, tree_variable, tree, environment=None):
+        self.process = subprocess.Popen(
+            [sys.executable, str(script), "--worker", json.dumps(spec)],
+            env={**os.environ, tree_variable: str(tree), **(environment or {})},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.info = self._answer()
+
+    def _answer(self):
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"a worker stopped (exit code {self.process.wait()}); see its stderr above")
+        return json.loads(line)
+
+    def ask(self, request):
+        """Sends `request` (one line) and returns the worker's answer (a dict)."""
+        self.process.stdin.write(request + "\n")
+        self.process.stdin.flush()
+        return self._answer()
+
+    def close(self):
+        self.process.stdin.close()
+        self.process.wait()
+
+
 def median_seconds(function, min_runs=3, min_seconds=1.0):
     """Median wall time of `function()` over at least `min_runs` calls and `min_seconds`
     (call it once before, to trace or compile)."""

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import harness
-from bench_xla_search import batches
+from bench_xla_search import batches, compiled_search
 
 CONTAINER = re.compile(r"(while|cond|conditional)(\.\d+)?$")  # their time is their operations'
 
@@ -36,21 +36,18 @@ def profile(args):
     from tensorflow.tsl.profiler.protobuf import xplane_pb2
 
     from keras_transformer.data.tokenizer import Tokenizer
-    from keras_transformer.decoding.request import decode
-    from keras_transformer.training.run_directory import load_model
+    from keras_transformer.training.run_directory import load_model, resolve_model
 
-    model = load_model(args.model)
-    tokenizer = Tokenizer.load(str(Path(args.model).parent / "tokenizer.model"))
+    run, model_path = resolve_model(args.model)
+    model = load_model(model_path)
+    tokenizer = Tokenizer.load(run.tokenizer_path)
     sentences = harness.read_multi30k(args.data_dir, "test2016")[0]
     arrays = batches(tokenizer, model.config, sentences, args.batch, False)
     arrays = [a for a in arrays if a.shape[1] == args.source_length][: args.batches]
     if not arrays:
         raise SystemExit(f"No test2016 batch of {args.batch} in source bucket {args.source_length}.")
 
-    def search(source_ids):
-        return decode(model, source_ids, None, args.beam_size, cache_policy="fixed").ids[:, 0]
-
-    compiled = tf.function(search, jit_compile=True, autograph=False)
+    compiled = compiled_search(tf, model, args.beam_size)
     for array in arrays:
         compiled(array).numpy()
     with tempfile.TemporaryDirectory() as logdir:
@@ -80,7 +77,7 @@ def profile(args):
 
 def main():
     parser = harness.parser(__doc__, "profile_xla_search")
-    parser.add_argument("--model", required=True, help="a .keras file, tokenizer.model beside it")
+    parser.add_argument("--model", required=True, help="a trained run directory or .keras file")
     harness.add_data_dir(parser)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--source-length", type=int, default=32, help="the source bucket profiled")

@@ -699,7 +699,7 @@ class _CachedDecoder:
     Both give the same tokens."""
 
     def __init__(self, model, setup, beam_size, policy):
-        self.model, self.setup, self.beam_size, self.policy = model, setup, beam_size, policy
+        self.model, self.setup, self.beam_size = model, setup, beam_size
         self.grows = policy == "growing"  # shapes change; finished sentences leave the batch
         self.defers = not self.grows and beam_size > 1
         max_len = setup.max_len  # a Python int where shapes are static (XLA)
@@ -968,7 +968,7 @@ class _BeamSearch:
     def _keep(self, state, staying):
         """`state` (a new dict) of the sentences `staying` `(kept,)` only: the per-sentence tensors,
         `last` `(sentences, beam)` and the decoder's per-sentence state (its per-beam rows are
-        the caller's: `reorder`)."""
+        the caller's: `reorder`, or `select_rows` when the fixed cache's batch shrinks)."""
         state = dict(state)
         for key in self.SENTENCE_KEYS + self.prefix_keys + ("last",):
             state[key] = gather_rows(state[key], staying)
