@@ -174,6 +174,59 @@ def test_blockwise_top_k_under_xla_is_top_k_ties_included():
         np.testing.assert_array_equal(found[1], expected.indices)
 
 
+@pytest.mark.parametrize("vocab", [1000, 1003])  # blocks of 125; blocks of 128, the last padded
+def test_candidates_from_logits_are_the_candidates_top_k(vocab):
+    """`_top_candidates_of_logits` (XLA's path without controls) finds `_top_candidates`' values
+    and indices of `alive + constrain(log_softmax(logits))` exactly, under XLA as the search
+    compiles them: ties across blocks and beams, dead beams, the last step (EOS alone),
+    `min_length` (EOS banned), the best logit on a banned id, in the padded block."""
+    from types import SimpleNamespace
+
+    from keras_transformer.decoding import policy
+
+    rng = np.random.default_rng(5)
+    sentences, beam, pad, bos, eos = 6, 4, 0, 2, 3
+    logits = rng.integers(-8, 4, size=(sentences, beam, vocab)).astype("float32")  # many ties
+    logits[0] += rng.normal(size=(beam, vocab)).astype("float32")
+    logits[1, :, bos] = 50.0  # the best logit banned
+    logits[2, :, eos] = 50.0
+    logits[3, :, -1] = 40.0  # in the last (padded) block
+    alive = rng.normal(size=(sentences, beam)).astype("float32") - 3.0
+    alive[:, 1:] = np.where(rng.random((sentences, beam - 1)) < 0.3, policy.NEG_INF, alive[:, 1:])
+    alive[4] = 0.0  # equal beams: ties across beams
+    limits = np.array([30, 30, 30, 30, 6, 30], "int32")  # sentence 4 at its last step
+    ids = np.arange(vocab)
+    setup = SimpleNamespace(
+        config=SimpleNamespace(target_vocab=vocab, pad_id=pad, bos_id=bos, eos_id=eos),
+        never=tf.constant((ids == pad) | (ids == bos)), is_eos=tf.constant(ids == eos), min_length=0,
+    )  # fmt: skip
+    for step, min_length in ((5, 0), (1, 4)):  # the last step of sentence 4; EOS banned (step < 3)
+        setup.min_length = min_length
+
+        def both(logits, alive, step=step, min_length=min_length):
+            log_probs = policy.constrain(
+                tf.nn.log_softmax(logits),
+                step,
+                limits,
+                setup.never,
+                setup.is_eos,
+                min_length,
+                tf.experimental.numpy,
+            )
+            candidates = tf.reshape(alive[:, :, None] + log_probs, (sentences, beam * vocab))
+            reference = search_module._top_candidates(candidates, beam, block=16)
+            found = search_module._top_candidates_of_logits(
+                setup, tf.reshape(logits, (-1, vocab)), alive, step, limits, beam
+            )
+            return reference, found
+
+        reference, found = tf.function(both, jit_compile=True)(tf.constant(logits), tf.constant(alive))
+        np.testing.assert_array_equal(found[1], reference[1])
+        np.testing.assert_array_equal(found[0], reference[0])
+        top = np.asarray(found[1])
+        assert np.all(top[4] % vocab == eos) if step == 5 else not np.any(top % vocab == eos)
+
+
 @pytest.mark.parametrize("block", [32, 4])
 @pytest.mark.parametrize("search", ["greedy", "beam"])
 def test_both_cache_policies_give_the_same_tokens_eagerly_and_in_a_graph(

@@ -92,14 +92,20 @@ def constrain(log_probs, step, limits, never, is_eos, min_length, xp):
         min_length: int scalar (0 or 1: no minimum).
         xp: `numpy` or `keras.ops`.
     """
-    rank = len(log_probs.shape)
+    cap = output_caps(step, limits, never, is_eos, min_length, len(log_probs.shape), log_probs.dtype, xp)
+    return xp.minimum(log_probs, cap)
+
+
+def output_caps(step, limits, never, is_eos, min_length, rank, dtype, xp):
+    """`constrain`'s caps: 0 where an id is allowed, `NEG_INF` where it is impossible, float
+    `(sentences, vocab)` for `rank` 2 and `(sentences, 1, vocab)` for `rank` 3 (the arguments
+    as `constrain`'s; `dtype` the log-probabilities')."""
     last = xp.reshape(xp.greater_equal(step, limits - 1), (-1,) + (1,) * (rank - 1))  # (sentences, 1[, 1])
     early = xp.logical_and(xp.less(step, min_length - 1), xp.logical_not(last))
-    impossible, allowed = xp.full((), NEG_INF, log_probs.dtype), xp.zeros((), log_probs.dtype)
+    impossible, allowed = xp.full((), NEG_INF, dtype), xp.zeros((), dtype)
     id_cap = xp.where(never, impossible, allowed)  # (vocab,)
     others = xp.minimum(id_cap, xp.where(last, impossible, allowed))  # (sentences, 1[, 1], vocab)
-    cap = xp.where(is_eos, xp.where(early, impossible, allowed), others)
-    return xp.minimum(log_probs, cap)
+    return xp.where(is_eos, xp.where(early, impossible, allowed), others)
 
 
 def blank_piece(piece):

@@ -22,7 +22,10 @@ decoding_cache`):
   rest), so the tail of a batch costs the rows it needs, within 2x. The
   steps before position `FIXED_CACHE_BLOCK` (32) read and write only the
   cache's first 32 positions, and a beam search's reorder of the cache rows
-  is done by the next step as it writes (`_CachedDecoder`).
+  is done by the next step as it writes (`_CachedDecoder`). Under XLA, a
+  beam search without controls finds each step's best candidates from the
+  logits block by block, never writing the `(batch, beam, vocab)` scores
+  (`_top_candidates_of_logits`).
 Both give the same tokens. With `use_cache=False` the decoder re-runs over
 the whole prefix every step (as the TensorFlow tutorial does; for
 benchmarks, not XLA).
@@ -56,6 +59,7 @@ from keras_transformer.decoding.policy import (
     UNK_ID,
     constrain,
     length_penalty,
+    output_caps,
     output_limits,
     search_is_final,
 )
@@ -640,6 +644,85 @@ def _top_candidates(candidates, k, block=None):
     return values, index
 
 
+def _top_candidates_of_logits(setup, logits, alive_log_probs, step, limits, k, block=None):
+    """The `k` best candidates of a beam-search step straight from the decoder's logits, where
+    XLA compiles a search without controls: `_top_candidates(alive_log_probs[:, :, None] +
+    constrain(log_softmax(logits)), k)`'s values and flat indices `(sentences, k)` (into
+    `beam * vocab`), without the `(sentences, beam, vocab)` candidates ever written.
+
+    XLA's CPU backend spends ~1 ns per element on that tensor (its log-softmax, rules, sum
+    and block maxima: ~1.6 ms of a ~12 ms step at batch 32, `results/profile_xla_search.json`).
+    Here the only passes over the logits are the log-softmax's own (its maximum, its sum of
+    exponentials) and one maximum per block of `block` ids. Every operation from a logit to
+    its candidate's score is monotone (rounding included), so a block's best candidate is
+    `alive + ((allowed maximum - row maximum) - log-sum)`, or `alive + NEG_INF` where the rules
+    allow none of its ids; the blocks of plain ids (neither `NEVER_OUTPUT` nor EOS) share one
+    cap per sentence (`policy.output_caps` of a plain id), so their allowed maximum is the
+    block's maximum or none; the few blocks holding special ids are capped id by id. The `k`
+    blocks with the best (ties: the lower index first) hold the `k` best candidates
+    (`_top_candidates`); their candidates are computed as the search computes them, from
+    their logits and their ids' caps, and ranked.
+
+    Args:
+        setup: the search's `_Setup`; logits: float `(sentences * beam, vocab)`.
+        alive_log_probs: float32 `(sentences, beam)`; step: scalar; limits: int `(sentences,)`.
+        block: ids per block (default: the divisor of the vocabulary nearest `TOP_K_BLOCK`
+            between half and twice it, else `TOP_K_BLOCK` with the last block padded).
+    """
+    sentences, beam = alive_log_probs.shape
+    vocab, dtype = setup.config.target_vocab, logits.dtype
+    block = block or _vocabulary_block(vocab)
+    per_row = -(-vocab // block)
+    neg_inf = float("-inf")
+
+    def caps(ids):  # the rules' caps of int `ids` `(1 or sentences, n, block)`, per sentence
+        never, is_eos = (ops.take(mask, ids, axis=0) for mask in (setup.never, setup.is_eos))
+        return output_caps(step, limits, never, is_eos, setup.min_length, 3, dtype, ops)
+
+    logits = ops.reshape(logits, (sentences, beam, vocab))
+    padded = ops.pad(logits, ((0, 0), (0, 0), (0, per_row * block - vocab)), constant_values=neg_inf)
+    blocks = ops.reshape(padded, (sentences, beam, per_row, block))
+    block_max = ops.max(blocks, axis=-1)  # (sentences, beam, per_row)
+    row_max = ops.max(logits, axis=-1)  # (sentences, beam): log_softmax's, as XLA lowers it
+    log_sum = ops.log(ops.sum(ops.exp(logits - row_max[:, :, None]), axis=-1))
+    plain_cap = output_caps(step, limits, False, False, setup.min_length, 3, dtype, ops)  # (sentences, 1, 1)
+    allowed_max = ops.where(ops.equal(plain_cap, 0.0), block_max, neg_inf)
+    special = sorted({getattr(setup.config, name) // block for name in NEVER_OUTPUT + ("eos_id",)})
+    for part in special:  # (sentences, beam) each: the allowed maximum of a block of special ids
+        first, end = part * block, min((part + 1) * block, vocab)
+        allowed = ops.equal(caps(ops.arange(first, end, dtype="int32")[None, None]), 0.0)
+        exact = ops.max(ops.where(allowed, logits[:, :, first:end], neg_inf), axis=-1)
+        allowed_max = ops.where(ops.equal(ops.arange(per_row), part), exact[:, :, None], allowed_max)
+    best_log_prob = ops.where(
+        allowed_max > neg_inf,
+        (allowed_max - row_max[:, :, None]) - log_sum[:, :, None],
+        ops.cast(NEG_INF, dtype),
+    )
+    block_maxima = ops.reshape(alive_log_probs[:, :, None] + best_log_prob, (sentences, beam * per_row))
+    _, best_blocks = ops.top_k(block_maxima, k=k)
+    best_blocks = ops.sort(best_blocks, axis=1)  # index order: equal values keep it
+    origins, parts = best_blocks // per_row, best_blocks % per_row  # (sentences, k)
+    columns = _take_per_sentence(ops.reshape(blocks, (sentences, beam * per_row, block)), best_blocks)
+    ids = parts[:, :, None] * block + ops.arange(block, dtype="int32")  # (sentences, k, block)
+    log_probs = (columns - _take_per_sentence(row_max, origins)[:, :, None]) - _take_per_sentence(
+        log_sum, origins
+    )[:, :, None]
+    log_probs = ops.minimum(log_probs, caps(ops.minimum(ids, vocab - 1)))  # policy.constrain
+    candidates = _take_per_sentence(alive_log_probs, origins)[:, :, None] + log_probs
+    values, index = ops.top_k(ops.reshape(candidates, (sentences, k * block)), k=k)
+    chosen = index // block
+    origin, part = (ops.take_along_axis(t, chosen, axis=1) for t in (origins, parts))
+    return values, origin * vocab + part * block + index % block
+
+
+def _vocabulary_block(vocab):
+    """`_top_candidates_of_logits`' ids per block: the divisor of `vocab` nearest `TOP_K_BLOCK`
+    within half and twice it (no padding), else `TOP_K_BLOCK`."""
+    block = TOP_K_BLOCK
+    divisors = [d for d in range(block // 2, 2 * block + 1) if vocab % d == 0]
+    return min(divisors, key=lambda d: (abs(d - block), d)) if divisors else block
+
+
 def _take_per_sentence(tensor, index):
     """`out[s, j] = tensor[s, index[s, j]]`: `(sentences, k, ...)` from `tensor` `(sentences, n, ...)`
     and int `index` `(sentences, k)`.
@@ -909,11 +992,20 @@ class _BeamSearch:
         beam, step, limits = self.beam_size, state["step"], state["limits"]
         sentences = ops.shape(limits)[0]
         logits, decoder_state = self.decoder.step(state["last"], state["alive"], step, state["decoder_state"])
-        prefix = [state[key] for key in self.prefix_keys]
-        log_probs = self.setup.step_log_probs(logits, state["alive"], step, limits, self.controls, *prefix)
-        vocab = ops.shape(log_probs)[-1]
-        candidates = ops.reshape(state["alive_log_probs"][:, :, None] + log_probs, (sentences, beam * vocab))
-        top_log_probs, top_index = _top_candidates(candidates, beam)  # (sentences, beam)
+        vocab = self.config.target_vocab
+        if self._from_logits():
+            top_log_probs, top_index = _top_candidates_of_logits(
+                self.setup, logits, state["alive_log_probs"], step, limits, beam
+            )
+        else:
+            prefix = [state[key] for key in self.prefix_keys]
+            log_probs = self.setup.step_log_probs(
+                logits, state["alive"], step, limits, self.controls, *prefix
+            )
+            candidates = ops.reshape(
+                state["alive_log_probs"][:, :, None] + log_probs, (sentences, beam * vocab)
+            )
+            top_log_probs, top_index = _top_candidates(candidates, beam)  # (sentences, beam)
         origin = top_index // vocab  # which live hypothesis each candidate extends
         tokens = ops.cast(top_index % vocab, "int32")
         alive = _take_per_sentence(state["alive"], origin)
@@ -957,6 +1049,21 @@ class _BeamSearch:
         new = self._leave(new, staying)
         new["last"] = ops.reshape(new["last"], (-1,))
         return new
+
+    def _from_logits(self):
+        """Whether a step's best candidates come from `_top_candidates_of_logits`: under XLA, with
+        static shapes and no control acting on the logits (the rules alone)."""
+        controls = self.controls
+        return (
+            _compiled_by_xla()
+            and isinstance(self.setup.batch, int)
+            and self.setup.suppressed is None
+            and controls.target_prefix is None
+            and controls.suppress_sequences is None
+            and not _on(controls.no_repeat_ngram_size, 0)
+            and not _on(controls.repetition_penalty, 1.0)
+            and self.config.target_vocab > 4 * TOP_K_BLOCK
+        )
 
     def _leave(self, state, staying):
         """`state` without the sentences not in `staying`, whose pools go into the results."""
