@@ -651,7 +651,7 @@ def _top_candidates_of_logits(setup, logits, alive_log_probs, step, limits, k, b
     `beam * vocab`), without the `(sentences, beam, vocab)` candidates ever written.
 
     XLA's CPU backend spends ~1 ns per element on that tensor (its log-softmax, rules, sum
-    and block maxima: ~1.6 ms of a ~12 ms step at batch 32, `results/profile_xla_search.json`).
+    and block maxima: ~1.6 ms per batch-32 step before, `docs/benchmarks.md`).
     Here the only passes over the logits are the log-softmax's own (its maximum, its sum of
     exponentials) and one maximum per block of `block` ids. Every operation from a logit to
     its candidate's score is monotone (rounding included), so a block's best candidate is
@@ -687,6 +687,7 @@ def _top_candidates_of_logits(setup, logits, alive_log_probs, step, limits, k, b
     log_sum = ops.log(ops.sum(ops.exp(logits - row_max[:, :, None]), axis=-1))
     plain_cap = output_caps(step, limits, False, False, setup.min_length, 3, dtype, ops)  # (sentences, 1, 1)
     allowed_max = ops.where(ops.equal(plain_cap, 0.0), block_max, neg_inf)
+    # The blocks holding the ids `setup.never` and `setup.is_eos` mark (`_Setup`: NEVER_OUTPUT, EOS).
     special = sorted({getattr(setup.config, name) // block for name in NEVER_OUTPUT + ("eos_id",)})
     for part in special:  # (sentences, beam) each: the allowed maximum of a block of special ids
         first, end = part * block, min((part + 1) * block, vocab)
