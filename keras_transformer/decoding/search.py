@@ -636,12 +636,22 @@ def _top_candidates(candidates, k, block=None):
     blocks = -(-n // block)
     padded = ops.pad(candidates, ((0, 0), (0, blocks * block - n)), constant_values=float("-inf"))
     padded = ops.reshape(padded, (-1, blocks, block))
-    _, best_blocks = ops.top_k(ops.max(padded, axis=2), k=k)  # (sentences, k)
-    best_blocks = ops.sort(best_blocks, axis=1)  # index order
-    columns = ops.take_along_axis(padded, best_blocks[:, :, None], axis=1)  # (sentences, k, block)
+    return _top_of_best_blocks(
+        ops.max(padded, axis=2), lambda best: ops.take_along_axis(padded, best[:, :, None], axis=1), k
+    )
+
+
+def _top_of_best_blocks(block_maxima, columns_of, k):
+    """`top_k` of candidates in blocks of equal size, from each block's maximum `(sentences,
+    blocks)` and `columns_of(best)`, the candidates `(sentences, k, block)` of the blocks `best`
+    `(sentences, k)` (in index order): values and indices `(sentences, k)` (block index x block
+    + column). The `k` best lie in the `k` blocks with the best maxima (`_top_candidates`)."""
+    _, best = ops.top_k(block_maxima, k=k)
+    best = ops.sort(best, axis=1)  # index order: equal values keep it
+    columns = columns_of(best)
+    block = columns.shape[-1]
     values, index = ops.top_k(ops.reshape(columns, (-1, k * block)), k=k)
-    index = ops.take_along_axis(best_blocks, index // block, axis=1) * block + index % block
-    return values, index
+    return values, ops.take_along_axis(best, index // block, axis=1) * block + index % block
 
 
 def _top_candidates_of_logits(setup, logits, alive_log_probs, step, limits, k, block=None):
@@ -700,20 +710,18 @@ def _top_candidates_of_logits(setup, logits, alive_log_probs, step, limits, k, b
         ops.cast(NEG_INF, dtype),
     )
     block_maxima = ops.reshape(alive_log_probs[:, :, None] + best_log_prob, (sentences, beam * per_row))
-    _, best_blocks = ops.top_k(block_maxima, k=k)
-    best_blocks = ops.sort(best_blocks, axis=1)  # index order: equal values keep it
-    origins, parts = best_blocks // per_row, best_blocks % per_row  # (sentences, k)
-    columns = _take_per_sentence(ops.reshape(blocks, (sentences, beam * per_row, block)), best_blocks)
-    ids = parts[:, :, None] * block + ops.arange(block, dtype="int32")  # (sentences, k, block)
-    log_probs = (columns - _take_per_sentence(row_max, origins)[:, :, None]) - _take_per_sentence(
-        log_sum, origins
-    )[:, :, None]
-    log_probs = ops.minimum(log_probs, caps(ops.minimum(ids, vocab - 1)))  # policy.constrain
-    candidates = _take_per_sentence(alive_log_probs, origins)[:, :, None] + log_probs
-    values, index = ops.top_k(ops.reshape(candidates, (sentences, k * block)), k=k)
-    chosen = index // block
-    origin, part = (ops.take_along_axis(t, chosen, axis=1) for t in (origins, parts))
-    return values, origin * vocab + part * block + index % block
+
+    def candidates_of(best):  # (sentences, k) blocks -> their candidates (sentences, k, block)
+        origins, parts = best // per_row, best % per_row  # the beam and the block within its row
+        columns = _take_per_sentence(ops.reshape(blocks, (sentences, beam * per_row, block)), best)
+        shift, norm, alive = (
+            _take_per_sentence(t, origins)[:, :, None] for t in (row_max, log_sum, alive_log_probs)
+        )
+        ids = ops.minimum(parts[:, :, None] * block + ops.arange(block, dtype="int32"), vocab - 1)
+        return alive + ops.minimum((columns - shift) - norm, caps(ids))  # policy.constrain's minimum
+
+    values, index = _top_of_best_blocks(block_maxima, candidates_of, k)  # index into (beam, per_row * block)
+    return values, index // (per_row * block) * vocab + index % (per_row * block)
 
 
 def _vocabulary_block(vocab):
