@@ -148,9 +148,8 @@ def table(runs):
         cut = f", cut at {run['epochs']} by --max-minutes" if run["cut_by_max_minutes"] else ""
         cells = [
             f"{run['epochs_asked']}{cut} ({run['optimizer_steps']:,})",
-            "{num_layers}+{num_decoder_layers} layers, d_model {d_model}, BPE {vocab_size}".format(
-                **run["model"]
-            ),
+            "{num_layers}+{num_decoder_layers} layers, d_model {d_model}, d_ff {d_ff}, "
+            "dropout {dropout_rate}, BPE {vocab_size}".format(**run["model"]),
             f"{machine['cpu']}, {machine['cores']} cores, {simd}",
             f"{run['seconds_per_epoch']['median']:.0f}",
             f"{minutes['total']:.0f} ({minutes['training']:.0f} + {minutes['evaluation']:.0f})",

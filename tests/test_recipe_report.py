@@ -102,7 +102,8 @@ def test_the_table_has_one_row_per_run_and_says_when_the_limit_cut_it(tmp_path):
     _report(tmp_path / "cut", results, tmp_path, asked=5, commit="bbb")
     table = report.table(json.loads(results.read_text())["runs"]).splitlines()
     assert table[0].startswith("| epochs (updates) |") and len(table) == 3
-    assert "| 5, cut at 3 by --max-minutes (435) | 3+3 layers, d_model 128, BPE 8000 |" in table[2]
+    model = "3+3 layers, d_model 128, d_ff 256, dropout 0.3, BPE 8000"
+    assert f"| 5, cut at 3 by --max-minutes (435) | {model} |" in table[2]
     assert "**36.50**" in table[2] and "| 35.00 (beam 5, α 1.0) |" in table[2]
     document = tmp_path / "README.md"
     document.write_text(f"before\n{report.BEGIN}\nold table\n{report.END}\nafter\n")
