@@ -245,3 +245,25 @@ def test_a_tagged_corpus_starts_every_source_with_its_tag_piece(pairs, tmp_path)
     assert _as_lists(tagged, "source") == expected
     assert all(ids[:2] == [tokenizer.processor.piece_to_id("▁"), tag_id] for ids in expected)
     assert _as_lists(tagged, "target") == _as_lists(plain, "target")
+
+
+def test_token_store_reads_without_tensorflow():
+    """Reading token ids into batches needs neither TensorFlow nor SentencePiece (a JAX-only machine
+    trains from them: `scripts/sweep_multi30k.py`)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['tensorflow'] = sys.modules['sentencepiece'] = None\n"
+        "import numpy as np\n"
+        "from keras_transformer.data.token_store import TokenStore\n"
+        "store = TokenStore(np.array([5, 6, 7], np.uint16), np.array([0, 2, 3]), np.array([8, 9], np.uint16),"
+        " np.array([0, 1, 2]))\n"
+        "source, target_in, labels = store.batch([1, 0], 3, 2)\n"
+        "print(source.tolist(), target_in.tolist(), labels.tolist())\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.split("\n")[0] == (
+        f"[[7, {EOS_ID}, {PAD_ID}], [5, 6, {EOS_ID}]] [[{BOS_ID}, 9, {PAD_ID}], [{BOS_ID}, 8, {PAD_ID}]] "
+        f"[[9, {EOS_ID}, {PAD_ID}], [8, {EOS_ID}, {PAD_ID}]]"
+    )

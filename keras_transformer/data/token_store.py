@@ -35,7 +35,7 @@ import time
 
 import numpy as np
 
-from keras_transformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from keras_transformer.data.special_ids import BOS_ID, EOS_ID, PAD_ID
 from keras_transformer.utils.files import StorageError, sha256_of
 
 FORMAT = 1

@@ -23,10 +23,10 @@ import sentencepiece
 import tensorflow as tf
 import tensorflow_text
 
+from keras_transformer.data.special_ids import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from keras_transformer.utils.checks import UserError
 from keras_transformer.utils.files import atomic_write
 
-PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3  # UNK_ID: also decoding.policy's (a test pins them)
 _SPACES = re.compile(" +")
 
 
