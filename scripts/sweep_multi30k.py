@@ -42,14 +42,13 @@ import argparse
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 
 import numpy as np
-
-RECIPE = dict(learning_rate=5e-3, warmup_steps=1000, label_smoothing=0.1, clip_norm=None, seed=0, set={})
 
 
 def _store(data, split):
@@ -77,8 +76,9 @@ def prepare(args):
         "multi30k", args.data_dir, settings["source_lang"], settings["target_lang"], stream=True
     )
     train_pairs, val_pairs = corpus.train_and_validation(print)
+    cache = tempfile.mkdtemp()  # the token cache, removed once the arrays are written
     if isinstance(train_pairs, ParallelText):
-        store = TokenStore.cached(train_pairs, tokenizer, tempfile.mkdtemp(), print)
+        store = TokenStore.cached(train_pairs, tokenizer, cache, print)
     else:
         store = TokenStore.from_texts(*train_pairs, tokenizer)
     max_length = settings["model"]["max_length"]
@@ -107,6 +107,7 @@ def prepare(args):
         arrays[f"plan{seed}_sizes"] = np.array(sizes, np.int32)
         arrays[f"plan{seed}_lengths"] = np.array(lengths, np.int32)
     np.savez_compressed(out / "corpus.npz", **arrays)
+    shutil.rmtree(cache)
     meta = {
         "model": settings["model"],
         "options": {
@@ -123,9 +124,9 @@ def prepare(args):
 
 
 def _variant_settings(meta, variant):
-    settings = dict(RECIPE)
-    settings.update({key: meta["options"][key] for key in meta["options"]})
-    settings.update({key: value for key, value in variant.items() if key != "name"})
+    """`(training settings, model settings)`: the prepared run's, with the variant's changes."""
+    settings = {"seed": 0, **meta["options"]}
+    settings.update({key: value for key, value in variant.items() if key not in ("name", "set")})
     model = dict(meta["model"])
     model.update(variant.get("set", {}))
     return settings, model
