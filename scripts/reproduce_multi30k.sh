@@ -53,7 +53,8 @@ fi
 # minutes of compiling one program per batch shape in the first epoch).
 # d_ff 512 instead of mini's 256 (the paper's d_ff = 4 x d_model; at 85 epochs
 # val 41.28 against 41.12 at the chosen beam and alpha, higher at all six
-# candidates, and no slower per step: docs/results.md).
+# candidates; 464 against 438 ms per step with XLA, level without:
+# docs/results.md).
 # 85 epochs: with 4+4 layers the whole script took 111.8 minutes on a 2-core
 # AVX-512 EPYC (~74 s per epoch); the README's table has each run's minutes.
 "$BIN/keras-transformer" train "${DATA[@]}" --source-lang en --target-lang de \

@@ -142,6 +142,7 @@ def train_one(args):
     from keras_transformer.data.special_ids import PAD_ID
     from keras_transformer.model.config import TransformerConfig
     from keras_transformer.model.transformer import Transformer
+    from keras_transformer.training.checkpoints import atomic_save_weights, average_checkpoints
     from keras_transformer.training.optimizer import compile_transformer
 
     started = time.monotonic()
@@ -152,6 +153,7 @@ def train_one(args):
     seed = settings["seed"]
     data = np.load(prepared / "corpus.npz")
     store, val_store = _store(data, "train"), _store(data, "val")
+    # A seed without a plan of its own trains on the first seed's batches (other weights and dropout only).
     plan_seed = seed if f"plan{seed}_indices" in data else meta["seeds"][0]
     plan_indices, sizes, lengths = (data[f"plan{plan_seed}_{key}"] for key in ("indices", "sizes", "lengths"))
     starts = np.concatenate([[0], np.cumsum(sizes)])
@@ -184,8 +186,8 @@ def train_one(args):
         source, target_in, labels = val_store.batch(indices, int(val_lengths[i]), len(indices))
         val_batches.append(({"source_ids": source, "target_ids": target_in}, labels))
 
-    history, summed, averaged_count = [], None, 0
-    stopped = None
+    checkpoints = pathlib.Path(tempfile.mkdtemp())  # the last epochs' weights, averaged as the recipe does
+    history, averaged, stopped = [], [], None
     for epoch in range(epochs):
         epoch_started, losses = time.monotonic(), []
         for i in range(epoch * per_epoch, (epoch + 1) * per_epoch):
@@ -200,9 +202,8 @@ def train_one(args):
         history.append(row)
         print(json.dumps({"variant": variant["name"], **row}), flush=True)
         if epoch + 1 > epochs - average_last:
-            values = [np.asarray(v.value, np.float64) for v in model.weights]
-            summed = values if summed is None else [a + b for a, b in zip(summed, values)]
-            averaged_count += 1
+            averaged.append(str(checkpoints / f"epoch-{epoch + 1:04d}.weights.h5"))
+            atomic_save_weights(model, averaged[-1])
         elapsed = time.monotonic() - started
         if args.deadline_seconds and elapsed + 1.5 * (elapsed / (epoch + 1)) > args.deadline_seconds:
             if epoch + 1 < epochs:
@@ -215,15 +216,17 @@ def train_one(args):
         "model": model_settings,
         "epochs_trained": len(history),
         "stopped_at_deadline": stopped,
-        "averaged_checkpoints": averaged_count,
+        "averaged_checkpoints": len(averaged),
+        "plan_seed": plan_seed,
         "history": history,
         "seconds": round(time.monotonic() - started, 1),
         "device": str(jax.devices()[0]),
     }
     weights = {}
-    if summed is not None:
-        for variable, total in zip(model.weights, summed):
-            weights[variable.path] = (total / averaged_count).astype(np.float16)
+    if averaged:
+        average_checkpoints(model, averaged)
+        weights = {v.path: np.asarray(v.value).astype(np.float16) for v in model.weights}
+    shutil.rmtree(checkpoints)
     np.savez(pathlib.Path(args.out) / f"{variant['name']}.npz", result=json.dumps(result), **weights)
     print(json.dumps({"variant": variant["name"], "done": True, "seconds": result["seconds"]}), flush=True)
 

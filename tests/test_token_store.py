@@ -5,6 +5,8 @@ every pair once per epoch when the corpus spans many shuffle windows, and bad
 text or a full disk leaving nothing behind."""
 
 import errno
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -250,9 +252,6 @@ def test_a_tagged_corpus_starts_every_source_with_its_tag_piece(pairs, tmp_path)
 def test_token_store_reads_without_tensorflow():
     """Reading token ids into batches needs neither TensorFlow nor SentencePiece (a JAX-only machine
     trains from them: `scripts/sweep_multi30k.py`)."""
-    import subprocess
-    import sys
-
     code = (
         "import sys; sys.modules['tensorflow'] = sys.modules['sentencepiece'] = None\n"
         "import numpy as np\n"
