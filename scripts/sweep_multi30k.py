@@ -27,8 +27,14 @@ What has been run (2026-11-28): `prepare`, `train --epochs 2` and `evaluate` end
 2-core CPU (JAX backend); on an H200, 8 variants stalled for 9 minutes in XLA's compilation of a
 Triton GEMM fusion ("Very slow compile") until `train` set `XLA_FLAGS` to cuBLAS GEMMs without
 autotuning; with them, 2 variants trained epoch 1 in 97 s each (all compiles included), their
-losses equal to the CPU's to 5 digits (7.23104 against 7.23103). A full sweep (8 variants x 85
-epochs) has not been run.
+losses equal to the CPU's to 5 digits (7.23104 against 7.23103). Then 6 variants at once for 510 s
+(`results/multi30k_sweep_h200_36epochs.json`, docs/results.md): epoch 1 ~150 s, then ~8 s per
+epoch each (~1.4 s of the GPU per variant-epoch), stopped at the deadline after 36-40 epochs. So
+three variants fit 85 epochs in one 600-second call; six do not.
+
+A variant that reaches `--deadline-seconds` stops and still writes its weights, averaged over its
+last `average_last` epochs, and its epoch count; the first to stop records its epoch in a file
+that makes the others stop there too (those already past it stop at once).
 
     python scripts/sweep_multi30k.py prepare --run runs/multi30k --data-dir ../shared/data/multi30k \
         --out sweep --seeds 0,1 --epochs 85
@@ -132,6 +138,22 @@ def _variant_settings(meta, variant):
     return settings, model
 
 
+def _should_stop(args, epoch, elapsed):
+    """Whether a variant stops after `epoch`: at the first variant's deadline epoch (the stop file), or
+    when its own next epoch would end past the deadline, which it then records for the others, so
+    that variants sharing a machine stop after the same epoch where they can."""
+    stop_file = pathlib.Path(args.stop_file) if args.stop_file else None
+    if stop_file and stop_file.exists() and epoch >= int(stop_file.read_text()):
+        return True
+    if args.deadline_seconds and elapsed + 1.5 * (elapsed / epoch) > args.deadline_seconds:
+        if stop_file and not stop_file.exists():
+            written = stop_file.with_suffix(f".{os.getpid()}")
+            written.write_text(str(epoch))
+            os.replace(written, stop_file)  # whole or absent, never read half-written
+        return True
+    return False
+
+
 def train_one(args):
     """One variant, in this process (KERAS_BACKEND=jax)."""
     import jax
@@ -201,16 +223,20 @@ def train_one(args):
             row["val_loss"] = float(np.average([v["loss"] for v in val], weights=weights))
         history.append(row)
         print(json.dumps({"variant": variant["name"], **row}), flush=True)
-        if epoch + 1 > epochs - average_last:
-            averaged.append(str(checkpoints / f"epoch-{epoch + 1:04d}.weights.h5"))
-            atomic_save_weights(model, averaged[-1])
+        # The last `average_last` epochs' weights, kept as a rolling window: the schedule does not
+        # depend on the number of epochs, so a variant stopped at the deadline after epoch E holds
+        # what the full run held at epoch E, averaged over the same window.
+        averaged.append(str(checkpoints / f"epoch-{epoch + 1:04d}.weights.h5"))
+        atomic_save_weights(model, averaged[-1])
+        if len(averaged) > average_last:
+            os.remove(averaged.pop(0))
         elapsed = time.monotonic() - started
-        if args.deadline_seconds and elapsed + 1.5 * (elapsed / (epoch + 1)) > args.deadline_seconds:
-            if epoch + 1 < epochs:
-                stopped = epoch + 1
-                break
+        if epoch + 1 < epochs and _should_stop(args, epoch + 1, elapsed):
+            stopped = epoch + 1
+            break
     result = {
         "name": variant["name"],
+        "averaged_epochs": [len(history) - len(averaged) + 1, len(history)] if averaged else None,
         "variant": variant,
         "settings": settings,
         "model": model_settings,
@@ -242,6 +268,7 @@ def train(args):
     environment.setdefault("XLA_FLAGS", "--xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0")
     logs = pathlib.Path(args.logs or out)
     logs.mkdir(parents=True, exist_ok=True)
+    (logs / "stop-epoch").unlink(missing_ok=True)
     processes = []
     for variant in variants:
         command = [
@@ -258,6 +285,8 @@ def train(args):
             str(args.deadline_seconds),
             "--epochs",
             str(args.epochs),
+            "--stop-file",
+            str(logs / "stop-epoch"),
         ]
         log = open(logs / f"{variant['name']}.log", "w")
         processes.append(
@@ -363,6 +392,7 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--deadline-seconds", type=float, default=0)
     p.add_argument("--epochs", type=int, default=0, help="fewer epochs than prepared (a trial)")
+    p.add_argument("--stop-file", help="where the first variant to reach the deadline writes its epoch")
     p = commands.add_parser("evaluate")
     p.add_argument("--prepared", required=True)
     p.add_argument("--weights", required=True, help="the folder `train` wrote")
