@@ -30,7 +30,9 @@ autotuning; with them, 2 variants trained epoch 1 in 97 s each (all compiles inc
 losses equal to the CPU's to 5 digits (7.23104 against 7.23103). Then 6 variants at once for 510 s
 (`results/multi30k_sweep_h200_36epochs.json`, docs/results.md): epoch 1 ~150 s, then ~8 s per
 epoch each (~1.4 s of the GPU per variant-epoch), stopped at the deadline after 36-40 epochs. So
-three variants fit 85 epochs in one 600-second call; six do not.
+three variants fit 85 epochs in one 600-second call; six do not. A second call (2 seeds, a 240 s
+deadline) stopped both after epoch 1 (144 s of compiles), because the deadline then took the
+mean epoch, compiles included, for the next one's time; it now takes the last epoch's.
 
 A variant that reaches `--deadline-seconds` stops and still writes its weights, averaged over its
 last `average_last` epochs, and its epoch count; the first to stop records its epoch in a file
@@ -138,14 +140,16 @@ def _variant_settings(meta, variant):
     return settings, model
 
 
-def _should_stop(args, epoch, elapsed):
+def _should_stop(args, epoch, elapsed, last_epoch_seconds):
     """Whether a variant stops after `epoch`: at the first variant's deadline epoch (the stop file), or
-    when its own next epoch would end past the deadline, which it then records for the others, so
-    that variants sharing a machine stop after the same epoch where they can."""
+    when its own next epoch, taken as 1.5 times its last one, would end past the deadline (the mean
+    would count epoch 1's compiles: 144 s on an H200 against ~4 s for the next ones), which it then
+    records for the others, so that variants sharing a machine stop after the same epoch where
+    they can."""
     stop_file = pathlib.Path(args.stop_file) if args.stop_file else None
     if stop_file and stop_file.exists() and epoch >= int(stop_file.read_text()):
         return True
-    if args.deadline_seconds and elapsed + 1.5 * (elapsed / epoch) > args.deadline_seconds:
+    if args.deadline_seconds and elapsed + 1.5 * last_epoch_seconds > args.deadline_seconds:
         if stop_file and not stop_file.exists():
             written = stop_file.with_suffix(f".{os.getpid()}")
             written.write_text(str(epoch))
@@ -231,7 +235,7 @@ def train_one(args):
         if len(averaged) > average_last:
             os.remove(averaged.pop(0))
         elapsed = time.monotonic() - started
-        if epoch + 1 < epochs and _should_stop(args, epoch + 1, elapsed):
+        if epoch + 1 < epochs and _should_stop(args, epoch + 1, elapsed, row["seconds"]):
             stopped = epoch + 1
             break
     result = {
