@@ -34,8 +34,8 @@ instead.
 
 Timing: batch 1 latency (median, p90) over `--single` sentences, twice. Warm
 (the goals' figure, what a server running one model sees): each runtime
-translates them one at a time, its calls back to back, one runtime after the
-other. Interleaved (cold caches): each sentence
+translates them one at a time, nothing else between its calls (a 50 ms pause
+before each, as below), one runtime after the other. Interleaved (cold caches): each sentence
 translated alone by every runtime in turn, with a 50 ms pause before each
 timed call so that the previous runtime's spinning threads do not slow the
 next one (`SETTLE_SECONDS`; without it CTranslate2 ran 2-3x slower in this
@@ -337,11 +337,14 @@ def batch32_rounds(translate, sources, batches, rounds):
 
 def batch1_warm_rounds(translate, single, rounds):
     """`{runtime: [per-pass latencies]}`: each runtime translates `single` one sentence at a time,
-    its calls back to back (as a server running one model makes them), one runtime after the
-    other; the order rotates from pass to pass so that the machine's drift falls on all alike.
-    The interleaved batch-1 pass times each call right after the other runtimes' (a cold cache:
-    CTranslate2 took 9.3-9.7 ms alone and 12-22 ms right after another CTranslate2 process on
-    the same sentence, 2026-11-28); these are the warm latencies."""
+    nothing else between its calls (as a server running one model at light load gets them), one
+    runtime after the other; the order rotates from pass to pass so that the machine's drift
+    falls on all alike. The interleaved batch-1 pass times each call right after the other
+    runtimes' (a cold cache: CTranslate2 took 9.3-9.7 ms alone and 12-22 ms right after another
+    CTranslate2 process on the same sentence, 2026-11-28); these are the warm latencies. The
+    same 50 ms pause precedes each call: CTranslate2 int8 called back to back without it took
+    76-117 ms per call against 30-37 ms with it (float32: 9-14 against 11 ms), its own threads
+    of the previous call still spinning on the 2 cores."""
     names = list(translate)
     latencies = {name: [[] for _ in range(rounds)] for name in names}
     for passes in range(rounds):
@@ -351,6 +354,7 @@ def batch1_warm_rounds(translate, single, rounds):
             time.sleep(SETTLE_SECONDS)  # the previous runtime's threads stop spinning
             f([single[0]])  # not timed: this runtime's weights back in the caches
             for sentence in single:
+                time.sleep(SETTLE_SECONDS)
                 latencies[name][passes].append(_timed(f, [sentence])[1])
     return latencies
 
