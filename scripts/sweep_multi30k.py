@@ -99,14 +99,14 @@ def prepare(args):
         for side in ("source", "target"):
             arrays[f"{name}_{side}_ids"] = np.asarray(pairs.store.ids[side])
             arrays[f"{name}_{side}_offsets"] = np.asarray(pairs.store.offsets[side], np.int64)
-    val_plan = list(validation._plan(None, None))
+    val_plan = list(validation.plan(None, None))
     arrays["val_indices"] = np.concatenate([indices for indices, _ in val_plan]).astype(np.int32)
     arrays["val_sizes"] = np.array([len(indices) for indices, _ in val_plan], np.int32)
     arrays["val_lengths"] = np.array([length for _, length in val_plan], np.int32)
     for seed in args.seeds:
         indices, sizes, lengths = [], [], []
         for epoch in range(args.epochs):
-            plan = list(batches._plan(epoch, seed))
+            plan = list(batches.plan(epoch, seed))
             assert len(plan) == batches.info.batches
             indices += [np.asarray(i, np.int32) for i, _ in plan]
             sizes += [len(i) for i, _ in plan]

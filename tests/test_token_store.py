@@ -181,7 +181,7 @@ def test_many_shuffle_windows_give_every_pair_once_per_epoch_in_a_fixed_order(pa
     kept = sorted(np.flatnonzero(store.lengths(0, store.pairs) <= 24))
 
     def plan(epoch, seed=0):
-        return [tuple(indices) for indices, _ in batched._plan(epoch, seed)]
+        return [tuple(indices) for indices, _ in batched.plan(epoch, seed)]
 
     epochs = {epoch: plan(epoch) for epoch in range(3)}
     for batches in epochs.values():
@@ -212,7 +212,7 @@ def test_a_weighted_mix_gives_each_corpus_its_share_of_every_epoch(pairs, tokeni
     assert list(mixed.mix_counts) == [round(sum(kept) / 4), round(3 * sum(kept) / 4)]
 
     def plan(epoch, seed=0):
-        return [tuple(indices) for indices, _ in mixed._plan(epoch, seed)]
+        return [tuple(indices) for indices, _ in mixed.plan(epoch, seed)]
 
     epochs = [plan(epoch) for epoch in range(3)]
     for batches in epochs:

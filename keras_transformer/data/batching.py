@@ -145,7 +145,7 @@ class TokenizedPairs:
         first, stop = start // per_epoch, -(-(start + count) // per_epoch)
 
         def plans():
-            batches = itertools.chain.from_iterable(self._plan(epoch, seed) for epoch in range(first, stop))
+            batches = itertools.chain.from_iterable(self.plan(epoch, seed) for epoch in range(first, stop))
             return itertools.islice(batches, start - first * per_epoch, start - first * per_epoch + count)
 
         return self._dataset(plans, count)
@@ -154,20 +154,21 @@ class TokenizedPairs:
         """One epoch in corpus order (for validation)."""
         if self.weights is not None:
             raise ValueError("a weighted mix of corpora has no corpus order; validate on one corpus")
-        return self._dataset(lambda: self._plan(None, None), self.info.batches)
+        return self._dataset(lambda: self.plan(None, None), self.info.batches)
 
     def reshuffling(self, seed=0):
         """One epoch that reshuffles itself on every iteration (`fit(shuffle=False)`): the n-th
         iteration is epoch n's order."""
         iterations = itertools.count()
-        return self._dataset(lambda: self._plan(next(iterations), seed), self.info.batches)
+        return self._dataset(lambda: self.plan(next(iterations), seed), self.info.batches)
 
     def _buckets(self, lengths):
         return np.searchsorted(self.bucket_lengths, lengths)
 
-    def _plan(self, epoch, seed):
+    def plan(self, epoch, seed):
         """Yields `(pair indices, padded length)` of the epoch's batches in order (`epoch` None:
-        corpus order)."""
+        corpus order): the plan every dataset of this class reads, fixed by `(seed, epoch)`, for
+        a trainer outside `tf.data` (`scripts/sweep_multi30k.py` trains on JAX from it)."""
         if self.weights is not None and epoch is not None:
             yield from self._mixture_plan(epoch, seed)
             return
