@@ -660,8 +660,8 @@ def test_fused_int8_export_is_gated_fused_and_translates_as_the_portable_int8(
     references = synthetic_files[1].read_text(encoding="utf-8").splitlines()[-20:]
     for mode in ("full", "split"):
         fused, portable = (
-            [OnnxTranslator(str(directory), mode).translate([s]) for s in sentences]
-            for directory in (out, int8_export)
+            [translator.translate([s]) for s in sentences]
+            for translator in (OnnxTranslator(str(directory), mode) for directory in (out, int8_export))
         )
         same = [i for i, (f, p) in enumerate(zip(fused, portable)) if f[0] == p[0]]
         assert len(same) >= 15, (mode, [(f[0], p[0]) for f, p in zip(fused, portable)])
