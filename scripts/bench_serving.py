@@ -40,9 +40,9 @@ translated alone by every runtime in turn, with a 50 ms pause before each
 timed call so that the previous runtime's spinning threads do not slow the
 next one (`SETTLE_SECONDS`; without it CTranslate2 ran 2-3x slower in this
 process than alone); each call then finds its weights evicted from the caches
-by the runtimes before it (CTranslate2: 9.3-9.7 ms warm, 12-22 ms right after
-another CTranslate2 process), so the interleaved figure is kept as a
-cold-cache latency, not the goal's; batch 32 target tokens/s over the
+by the runtimes before it (CTranslate2's own search: 9.7 ms warm, 18.8 ms
+interleaved; ONNX Runtime 12.8 against 15.8 ms; results/serving_mini_ff512_warm.json),
+so the interleaved figure is kept as a cold-cache latency, not the goal's; batch 32 target tokens/s over the
 whole `--split`, sorted by length and cut into batches of 32, every batch
 translated by every runtime in turn (interleaved, so the machine's noise falls
 on all rows alike). `--rounds N` repeats both: a runtime's batch-1 latency is
@@ -340,11 +340,11 @@ def batch1_warm_rounds(translate, single, rounds):
     nothing else between its calls (as a server running one model at light load gets them), one
     runtime after the other; the order rotates from pass to pass so that the machine's drift
     falls on all alike. The interleaved batch-1 pass times each call right after the other
-    runtimes' (a cold cache: CTranslate2 took 9.3-9.7 ms alone and 12-22 ms right after another
-    CTranslate2 process on the same sentence, 2026-11-28); these are the warm latencies. The
-    same 50 ms pause precedes each call: CTranslate2 int8 called back to back without it took
-    76-117 ms per call against 30-37 ms with it (float32: 9-14 against 11 ms), its own threads
-    of the previous call still spinning on the 2 cores."""
+    runtimes' (a cold cache: CTranslate2 took 9.7 ms warm against 18.8 ms interleaved,
+    results/serving_mini_ff512_warm.json); these are the warm latencies. The same 50 ms pause
+    precedes each call: CTranslate2 int8 called back to back without it took 73.6 ms per call
+    (results/serving_mini_ff512_warm_nopause.json) against 26.9 ms with it, its own threads of
+    the previous call still spinning on the 2 cores."""
     names = list(translate)
     latencies = {name: [[] for _ in range(rounds)] for name in names}
     for passes in range(rounds):
