@@ -35,8 +35,8 @@ instead.
 Timing: batch 1 latency (median, p90) over `--single` sentences, twice. Warm
 (the goals' figure, what a server running one model sees): each runtime
 translates them one at a time, nothing else between its calls (a 50 ms pause
-before each, as below), one runtime after the other. Interleaved (cold caches): each sentence
-translated alone by every runtime in turn, with a 50 ms pause before each
+before each, as below), one runtime after the other. Interleaved (cold
+caches): each sentence translated alone by every runtime in turn, with a 50 ms pause before each
 timed call so that the previous runtime's spinning threads do not slow the
 next one (`SETTLE_SECONDS`; without it CTranslate2 ran 2-3x slower in this
 process than alone); each call then finds its weights evicted from the caches
@@ -613,7 +613,8 @@ def main():
         r["vs_ct2_native_batch32_passes"] = [
             b / o for b, o in zip(baseline["batch32_seconds_passes"], r["batch32_seconds_passes"])
         ]
-        # What a server running one model sees at batch 1 (the goals' figure): its calls back to back.
+        # What a server running one model sees at batch 1 (the goals' figure): its calls one after
+        # another, 50 ms apart, nothing else between them.
         r["vs_ct2_native_warm"] = [
             baseline["batch1_warm_median_ms"] / r["batch1_warm_median_ms"],
             r["vs_ct2_native"][1],
