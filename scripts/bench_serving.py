@@ -292,14 +292,27 @@ class Ct2Worker:
             args=(path, args.beam_size, args.length_penalty, args.threads, child),
             daemon=True,
         )
+        self.path = path
         self.process.start()
-        if self.connection.recv() != "ready":  # pragma: no cover
+        if self._receive() != "ready":  # pragma: no cover
             raise SystemExit("bench_serving: a CTranslate2 worker did not start.")
+
+    def _receive(self):
+        """The worker's next message; a worker that has exited stops the benchmark with one line
+        instead of leaving it waiting on the pipe (a spawned child dies at once when the main
+        module starts processes outside `if __name__ == "__main__":`)."""
+        while not self.connection.poll(1.0):
+            if not self.process.is_alive():
+                raise SystemExit(
+                    f"bench_serving: the CTranslate2 worker for {self.path} exited "
+                    f"(code {self.process.exitcode}); its error is above."
+                )
+        return self.connection.recv()
 
     def mode(self, mode):
         def translate(sentences):
             self.connection.send((mode, list(sentences)))
-            texts, seconds = self.connection.recv()
+            texts, seconds = self._receive()
             translate.seconds = seconds
             return texts
 
