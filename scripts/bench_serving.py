@@ -26,7 +26,7 @@ search also at each of `--ct2-threads` (1 and 2 by default):
 The baseline of each figure (batch 1 warm, batch 1 interleaved, batch 32) is
 CTranslate2's own search at its fastest thread setting for that figure, as
 the issue's goals ask ("CTranslate2 at its best thread setting"): on 2 cores
-its int8 model is slower with 2 threads than with 1 (`Ct2Worker`); the table
+its int8 model is slower with 2 threads than with 1 (`Worker`); the table
 says which setting each baseline is.
 
 Ratios are of sentences per second (batch 32) and of median latency (batch
@@ -115,7 +115,6 @@ def runtimes(model, tokenizer, directory, args):
     from keras_transformer_export.ctranslate2 import export_ctranslate2
     from keras_transformer_export.graphs import TranslationGraphs
     from keras_transformer_export.onnx import export_onnx, request_defaults, translate_graph, with_defaults
-    from keras_transformer_export.onnx_runtime import OnnxTranslator
     from keras_transformer_export.saved_model import export_saved_model
     from keras_transformer_export.xla_serving import XlaBuckets
 
@@ -154,19 +153,20 @@ def runtimes(model, tokenizer, directory, args):
     xla_signature = loaded.signatures["translate_xla"]
     shapes = buckets.for_model(model.config.max_length).shapes
     xla_compiles = xla_warmup(saved, lambda texts: xla_signature(text=tf.constant(texts)), shapes)
+    # Each ONNX graph and CTranslate2 model in a process of its own (`Worker`), CTranslate2's own
+    # search once per `--ct2-threads` setting.
     onnx_runtimes = {
-        "onnx_full (before)": OnnxTranslator(before_dir, "full", BATCH, args.threads),
-        "onnx_full": OnnxTranslator(onnx_dir, "full", BATCH, args.threads),
-        "onnx_split": OnnxTranslator(onnx_dir, "split", BATCH, args.threads),
-        "onnx_int8": OnnxTranslator(int8_dir, "full", BATCH, args.threads),
-        "onnx_fused": OnnxTranslator(fused_dir, "full", BATCH, args.threads),
-        "onnx_fused_int8": OnnxTranslator(fused_int8_dir, "full", BATCH, args.threads),
+        "onnx_full (before)": (before_dir, "full"),
+        "onnx_full": (onnx_dir, "full"),
+        "onnx_split": (onnx_dir, "split"),
+        "onnx_int8": (int8_dir, "full"),
+        "onnx_fused": (fused_dir, "full"),
+        "onnx_fused_int8": (fused_int8_dir, "full"),
     }
-    # Each CTranslate2 model in a process of its own: a loaded int8 model slows every CTranslate2
-    # translator of its process (`Ct2Worker`); its own search once per `--ct2-threads` setting.
-    ct2_workers = {q: Ct2Worker(path, args, args.threads) for q, path in ct2.items()}
+    onnx_workers = {name: onnx_worker(d, graph, args.threads) for name, (d, graph) in onnx_runtimes.items()}
+    ct2_workers = {q: ct2_worker(path, args, args.threads) for q, path in ct2.items()}
     other_threads = [t for t in args.ct2_threads if t != args.threads]
-    ct2_other = {(q, t): Ct2Worker(path, args, t) for q, path in ct2.items() for t in other_threads}
+    ct2_other = {(q, t): ct2_worker(path, args, t) for q, path in ct2.items() for t in other_threads}
 
     def saved_model(sentences):
         out = signature(text=tf.constant(sentences))["translation"].numpy()
@@ -182,7 +182,7 @@ def runtimes(model, tokenizer, directory, args):
         "saved_model": saved_model,
         "saved_model_xla": saved_model_xla,
     }
-    result.update({name: _texts_of(t) for name, t in onnx_runtimes.items()})
+    result.update({name: worker.mode("translate") for name, worker in onnx_workers.items()})
     for q, worker in ct2_workers.items():
         result[f"ct2_{q}"] = worker.mode("parity")
     for q, worker in ct2_workers.items():
@@ -267,8 +267,19 @@ def xla_warmup(version_dir, translate, shapes):
     return rows
 
 
+def _serve(connection, modes):
+    """A worker process's loop: `(mode, sentences)` in, `(texts, seconds)` out, until None; the
+    time is taken here, around the translation alone (no inter-process transfer)."""
+    connection.send("ready")
+    while (request := connection.recv()) is not None:
+        mode, sentences = request
+        tick = time.perf_counter()
+        texts = modes[mode](sentences)
+        connection.send((texts, time.perf_counter() - tick))
+
+
 def _ct2_serve(path, beam_size, length_penalty, threads, connection):
-    """A CTranslate2 worker process: `(mode, sentences)` in, `(texts, seconds)` out, until None.
+    """A CTranslate2 worker process (`_serve`).
 
     `parity`: `CTranslate2Translator` (GNMT re-ranking of the n-best, batches split by source
     length); `native`: CTranslate2's own search, one `translate_batch` per batch.
@@ -291,40 +302,46 @@ def _ct2_serve(path, beam_size, length_penalty, threads, connection):
         )
         return [translator.processor.decode_pieces(o.hypotheses[0]) for o in outputs]
 
-    modes = {"parity": lambda sentences: translator.translate(sentences)[0], "native": native}
-    connection.send("ready")
-    while (request := connection.recv()) is not None:
-        mode, sentences = request
-        tick = time.perf_counter()
-        texts = modes[mode](sentences)
-        connection.send((texts, time.perf_counter() - tick))
+    _serve(connection, {"parity": lambda sentences: translator.translate(sentences)[0], "native": native})
 
 
-class Ct2Worker:
-    """A CTranslate2 model served by a process of its own (`_ct2_serve`).
+def _onnx_serve(export_dir, graph, threads, connection):
+    """An ONNX Runtime worker process (`_serve`): `OnnxTranslator(export_dir, graph)`, in a
+    process without TensorFlow, as the runtime install of docs/deployment.md runs it."""
+    import sys
 
-    A loaded int8 model with 2 intra-op threads slows every CTranslate2
+    from keras_transformer_export.onnx_runtime import OnnxTranslator
+
+    if "tensorflow" in sys.modules:  # pragma: no cover
+        raise SystemExit("bench_serving: the ONNX Runtime worker imported TensorFlow.")
+    translator = OnnxTranslator(export_dir, graph, BATCH, threads)
+    _serve(connection, {"translate": lambda sentences: translator.translate(sentences)[0]})
+
+
+class Worker:
+    """A runtime served by a process of its own (`_ct2_serve`, `_onnx_serve`); `mode(name)` is
+    its `translate(sentences) -> texts`, whose `seconds` is the worker's own time.
+
+    CTranslate2: a loaded int8 model with 2 intra-op threads slows every CTranslate2
     translator of its process about 3x on this machine (float32 test2016 at
     batch 32: 195 sentences/s alone, 70 with an int8 translator loaded beside
-    it; int8 itself: 200 with 1 thread, 67 with 2), so the float32 and int8
-    rows each get a process. The time is taken in the worker, around the
-    translation alone (no inter-process transfer).
+    it; int8 itself: 200 with 1 thread, 67 with 2), so each CTranslate2 model
+    gets a process. ONNX Runtime: each graph in a process without TensorFlow, as
+    a TensorFlow-free server runs it; in this benchmark's own process, beside
+    TensorFlow, Keras and XLA, the fused graph took 14.4 ms at batch 1 warm
+    (results/serving_mini_ff512_ct2threads.json), ~10 ms alone.
     """
 
-    def __init__(self, path, args, threads):
+    def __init__(self, target, *args, label):
         import multiprocessing
 
         context = multiprocessing.get_context("spawn")
         self.connection, child = context.Pipe()
-        self.process = context.Process(
-            target=_ct2_serve,
-            args=(path, args.beam_size, args.length_penalty, threads, child),
-            daemon=True,
-        )
-        self.path = path
+        self.process = context.Process(target=target, args=(*args, child), daemon=True)
+        self.label = label
         self.process.start()
         if self._receive() != "ready":  # pragma: no cover
-            raise SystemExit("bench_serving: a CTranslate2 worker did not start.")
+            raise SystemExit(f"bench_serving: the worker for {label} did not start.")
 
     def _receive(self):
         """The worker's next message; a worker that has exited stops the benchmark with one line
@@ -333,7 +350,7 @@ class Ct2Worker:
         while not self.connection.poll(1.0):
             if not self.process.is_alive():
                 raise SystemExit(
-                    f"bench_serving: the CTranslate2 worker for {self.path} exited "
+                    f"bench_serving: the worker for {self.label} exited "
                     f"(code {self.process.exitcode}); its error is above."
                 )
         return self.connection.recv()
@@ -346,6 +363,18 @@ class Ct2Worker:
             return texts
 
         return translate
+
+
+def ct2_worker(path, args, threads):
+    """`Worker` of the CTranslate2 model `path` with `threads` intra-op threads."""
+    return Worker(
+        _ct2_serve, path, args.beam_size, args.length_penalty, threads, label=f"{path} ({threads} threads)"
+    )
+
+
+def onnx_worker(export_dir, graph, threads):
+    """`Worker` of the ONNX export `export_dir` (`graph`: "full" or "split")."""
+    return Worker(_onnx_serve, export_dir, graph, threads, label=f"{export_dir} ({graph})")
 
 
 def batch32_rounds(translate, sources, batches, rounds):
@@ -457,11 +486,6 @@ def serving_load_rows(paths, sources, args):
     print("  load: onnx_text", flush=True)
     session.close()
     return rows
-
-
-def _texts_of(translator):
-    """`translate(sentences) -> translations` of a translator whose `translate` returns (texts, scores)."""
-    return lambda sentences: translator.translate(sentences)[0]
 
 
 def random_weights_without_eos(preset, vocab_size, seed=0):
