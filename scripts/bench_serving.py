@@ -29,6 +29,10 @@ the issue's goals ask ("CTranslate2 at its best thread setting"): on 2 cores
 its int8 model is slower with 2 threads than with 1 (`Worker`); the table
 says which setting each baseline is.
 
+Each ONNX graph and each CTranslate2 model is served by a process of its own
+(`Worker`), the ONNX ones without TensorFlow, as a TensorFlow-free server runs
+them; Keras and the SavedModel signatures run in this process.
+
 Ratios are of sentences per second (batch 32) and of median latency (batch
 1) on identical batches: target tokens/s differ between runtimes whose
 searches stop differently (CTranslate2's own length penalty), so they are
@@ -329,7 +333,8 @@ class Worker:
     gets a process. ONNX Runtime: each graph in a process without TensorFlow, as
     a TensorFlow-free server runs it; in this benchmark's own process, beside
     TensorFlow, Keras and XLA, the fused graph took 14.4 ms at batch 1 warm
-    (results/serving_mini_ff512_ct2threads.json), ~10 ms alone.
+    (results/serving_mini_ff512_ct2threads.json), 10.5 ms in a worker
+    (results/serving_mini_ff512_workers.json).
     """
 
     def __init__(self, target, *args, label):
