@@ -453,7 +453,6 @@ def serving_load_rows(paths, sources, args):
 
     from serving_load import make_requests, run_load
 
-    from keras_transformer_export.onnx_runtime import OnnxTranslator
     from keras_transformer_export.tf_serving import ServingSession, read_warmup_requests
 
     requests = make_requests(sources, args.load, seed=0)
@@ -462,8 +461,6 @@ def serving_load_rows(paths, sources, args):
     def saved_model(texts):
         out = session.run("serving_default", text=np.array(texts, dtype=object))["translation"]
         return [t.decode("utf-8") for t in out]
-
-    ids_graph = OnnxTranslator(paths["onnx"], "full", BATCH, args.threads)
 
     def saved_model_xla(texts):
         out = session.run("translate_xla", text=np.array(texts, dtype=object))["translation"]
@@ -476,20 +473,20 @@ def serving_load_rows(paths, sources, args):
         session.predict(request)
     rows["saved_model_xla (session path, XLA on)"] = run_load(saved_model_xla, requests, LOAD_THREADS)
     print("  load: saved_model_xla", flush=True)
-    rows["onnx_full"] = run_load(lambda texts: ids_graph.translate(texts)[0], requests, LOAD_THREADS)
-    print("  load: onnx_full", flush=True)
-    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "serving_load.py")
-    completed = subprocess.run(
-        [sys.executable, worker, "--onnx-text", paths["onnx"], "--threads", str(LOAD_THREADS)]
-        + ["--runtime-threads", str(args.threads)],
-        input=json.dumps(requests),
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    rows["onnx_text"] = json.loads(completed.stdout)
-    print("  load: onnx_text", flush=True)
     session.close()
+    # ONNX Runtime in processes without TensorFlow, as the runtime install serves it (`Worker`).
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "serving_load.py")
+    for name, flag in (("onnx_full", "--onnx"), ("onnx_text", "--onnx-text")):
+        completed = subprocess.run(
+            [sys.executable, worker, flag, paths["onnx"], "--threads", str(LOAD_THREADS)]
+            + ["--runtime-threads", str(args.threads)],
+            input=json.dumps(requests),
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        rows[name] = json.loads(completed.stdout)
+        print(f"  load: {name}", flush=True)
     return rows
 
 

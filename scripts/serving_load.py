@@ -5,10 +5,12 @@ lengths and batch sizes one after another (closed loop), as a server's handler t
 outputs and the single-stream speed), then all of them from `threads` threads at once, and
 reports errors, how many responses equal the same request's response alone, latency
 percentiles and throughput. `scripts/bench_serving.py --load N` calls it for the SavedModel
-(TF Serving's session path) and `translate.onnx`, and runs this file as a worker process for
-`translate_text.onnx` (ONNX Runtime's text graph needs a process without TensorFlow):
+(TF Serving's session path), and runs this file as a worker process for `translate.onnx`
+(`--onnx`, `OnnxTranslator`) and `translate_text.onnx` (`--onnx-text`): ONNX Runtime served
+from a process without TensorFlow, as the runtime install serves it (the text graph needs one):
 
-    python scripts/serving_load.py --onnx-text EXPORT_DIR [--threads 8] [--runtime-threads 2] < requests.json
+    python scripts/serving_load.py (--onnx | --onnx-text) EXPORT_DIR [--threads 8] \
+        [--runtime-threads 2] < requests.json
 """
 
 import argparse
@@ -65,15 +67,22 @@ def main():
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--onnx-text", required=True, metavar="EXPORT_DIR")
+    graphs = parser.add_mutually_exclusive_group(required=True)
+    graphs.add_argument("--onnx", metavar="EXPORT_DIR", help="translate.onnx through OnnxTranslator")
+    graphs.add_argument("--onnx-text", metavar="EXPORT_DIR", help="translate_text.onnx")
     parser.add_argument("--threads", type=int, default=8, help="client threads")
     parser.add_argument("--runtime-threads", type=int, default=2, help="ONNX Runtime intra-op threads")
     args = parser.parse_args()
-    from keras_transformer_export.onnx_runtime import TextGraph
+    from keras_transformer_export.onnx_runtime import OnnxTranslator, TextGraph
 
-    graph = TextGraph(args.onnx_text, args.runtime_threads)
+    if args.onnx:
+        translator = OnnxTranslator(args.onnx, "full", 32, args.runtime_threads)
+        translate = lambda texts: translator.translate(texts)[0]  # noqa: E731
+    else:
+        graph = TextGraph(args.onnx_text, args.runtime_threads)
+        translate = lambda texts: graph(texts)[0]  # noqa: E731
     requests = json.load(sys.stdin)
-    json.dump(run_load(lambda texts: graph(texts)[0], requests, args.threads), sys.stdout)
+    json.dump(run_load(translate, requests, args.threads), sys.stdout)
 
 
 if __name__ == "__main__":
