@@ -317,7 +317,10 @@ def _onnx_serve(export_dir, graph, threads, connection):
     from keras_transformer_export.onnx_runtime import OnnxTranslator
 
     if "tensorflow" in sys.modules:  # pragma: no cover
-        raise SystemExit("bench_serving: the ONNX Runtime worker imported TensorFlow.")
+        raise SystemExit(
+            "bench_serving: the ONNX Runtime worker imported TensorFlow, so it would not time a "
+            "TensorFlow-free server; keep TensorFlow imports inside bench_serving's functions."
+        )
     translator = OnnxTranslator(export_dir, graph, BATCH, threads)
     _serve(connection, {"translate": lambda sentences: translator.translate(sentences)[0]})
 
@@ -479,7 +482,7 @@ def serving_load_rows(paths, sources, args):
     for name, flag in (("onnx_full", "--onnx"), ("onnx_text", "--onnx-text")):
         completed = subprocess.run(
             [sys.executable, worker, flag, paths["onnx"], "--threads", str(LOAD_THREADS)]
-            + ["--runtime-threads", str(args.threads)],
+            + ["--runtime-threads", str(args.threads), "--batch-size", str(BATCH)],
             input=json.dumps(requests),
             capture_output=True,
             text=True,

@@ -72,11 +72,12 @@ def main():
     graphs.add_argument("--onnx-text", metavar="EXPORT_DIR", help="translate_text.onnx")
     parser.add_argument("--threads", type=int, default=8, help="client threads")
     parser.add_argument("--runtime-threads", type=int, default=2, help="ONNX Runtime intra-op threads")
+    parser.add_argument("--batch-size", type=int, default=32, help="--onnx: sentences per graph call")
     args = parser.parse_args()
     from keras_transformer_export.onnx_runtime import OnnxTranslator, TextGraph
 
     if args.onnx:
-        translator = OnnxTranslator(args.onnx, "full", 32, args.runtime_threads)
+        translator = OnnxTranslator(args.onnx, "full", args.batch_size, args.runtime_threads)
         translate = lambda texts: translator.translate(texts)[0]  # noqa: E731
     else:
         graph = TextGraph(args.onnx_text, args.runtime_threads)

@@ -20,6 +20,26 @@ def _private_cache(tmp_path_factory):
     os.environ["KERAS_TRANSFORMER_CACHE"] = str(tmp_path_factory.mktemp("cache"))
 
 
+@pytest.fixture(scope="session")
+def import_script():
+    """`import_script(name)`: the module of `scripts/<name>.py` (the folder is not a package; a
+    script's own imports of its neighbours, such as `harness`, resolve while it is imported)."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    folder = str(Path(__file__).resolve().parents[1] / "scripts")
+
+    def load(name):
+        sys.path.insert(0, folder)
+        try:
+            return importlib.import_module(name)
+        finally:
+            sys.path.remove(folder)
+
+    return load
+
+
 class _StopAtAccuracy(keras.callbacks.Callback):
     def __init__(self, target):
         super().__init__()

@@ -1,6 +1,5 @@
 """scripts/ablate_multi30k.py: the docs' ablation tables are generated from the measured rows."""
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -9,13 +8,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def ablate():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import ablate_multi30k
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
-    return ablate_multi30k
+def ablate(import_script):
+    return import_script("ablate_multi30k")
 
 
 def _row(name, bleu, losses, beside):

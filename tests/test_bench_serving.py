@@ -1,21 +1,11 @@
 """scripts/bench_serving.py: every ratio is taken against CTranslate2 at its best thread setting."""
 
-import sys
-from pathlib import Path
-
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def bench():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import bench_serving
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
-    return bench_serving
+def bench(import_script):
+    return import_script("bench_serving")
 
 
 def test_rows_of_other_thread_settings_are_named_by_their_threads(bench):

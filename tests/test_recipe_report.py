@@ -91,12 +91,8 @@ def test_the_report_records_the_run_and_keeps_one_entry_per_machine_epochs_and_c
     ]
 
 
-def test_the_table_has_one_row_per_run_and_says_when_the_limit_cut_it(tmp_path):
-    sys.path.insert(0, str(ROOT / "scripts"))
-    try:
-        import multi30k_recipe_report as report
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
+def test_the_table_has_one_row_per_run_and_says_when_the_limit_cut_it(tmp_path, import_script):
+    report = import_script("multi30k_recipe_report")
     results = tmp_path / "recipe.json"
     _fake_run(tmp_path / "cut", 3)
     _report(tmp_path / "cut", results, tmp_path, asked=5, commit="bbb")
