@@ -3,6 +3,7 @@
     from keras_transformer_export.onnx_runtime import OnnxTranslator
     translator = OnnxTranslator("exports/demo-onnx")              # translate.onnx (Loop inside)
     translator = OnnxTranslator("exports/demo-onnx", mode="split")  # encoder + decoder_step
+    translator = OnnxTranslator("exports/demo-onnx", mode="lean")   # translate_lean.onnx
     texts, scores = translator.translate(["A dog runs."])
 
 Only `numpy`, `onnxruntime` and `sentencepiece` are imported (and the
@@ -427,6 +428,74 @@ class FullGraphSearch:
         )  # fmt: skip
 
 
+# The file stem of the hand-built plain beam search (`keras_transformer_export.lean_search`), and
+# its option inputs (defaults: the export's options) with their dtypes.
+LEAN_GRAPH = "translate_lean"
+LEAN_OPTIONS = {"length_penalty": np.float32, "max_extra_length": np.int32, "min_length": np.int32}
+
+
+class LeanGraphSearch:
+    """`translate_lean.onnx` (`keras_transformer_export.lean_search`): the beam search of a request
+    without controls as ~60 ONNX nodes a step (`translate.onnx` has ~200), the same tokens. A
+    request that switches a control on (target prefix, banned words or sequences, `disable_unk`,
+    n-gram or repetition limits), samples or asks for alignments is searched by `translate.onnx`
+    (`FullGraphSearch`, loaded beside it)."""
+
+    def __init__(self, export_dir, threads=None, metadata=None):
+        metadata = metadata or read_metadata(export_dir)
+        path = os.path.join(export_dir, f"{LEAN_GRAPH}.onnx")
+        if not os.path.exists(path):
+            raise FileNotFoundError(
+                f"{path} does not exist: the export predates {LEAN_GRAPH}.onnx; export the model again, "
+                "or use mode='full'."
+            )
+        self.beam_size, self.options = metadata["decoding"]["beam_size"], export_options(metadata)
+        self.session = make_session(path, threads)
+        self.names = [o.name for o in self.session.get_outputs()]
+        self.full = FullGraphSearch(export_dir, threads, metadata)
+
+    def __call__(self, source_ids):
+        """The best `(target_ids (batch, max_len), scores (batch,))` under the export's options."""
+        found = self.search(source_ids)
+        return found.ids[:, 0], found.scores[:, 0]
+
+    @staticmethod
+    def plain(options, target_prefix=None, suppress_sequences=None):
+        """Whether a request is one `translate_lean.onnx` searches: every control off, no sampling,
+        no alignments (its length penalty, output limit, minimum length and `num_return` may be
+        any)."""
+        off = DecodingOptions()
+        return (
+            not options.sampling
+            and all(
+                getattr(options, name) == getattr(off, name)
+                for name in ("disable_unk", "no_repeat_ngram_size", "repetition_penalty", "return_alignments")
+            )
+            and not any(len(p) for p in (target_prefix if target_prefix is not None else []))
+            and not any(len(s) for s in (suppress_sequences if suppress_sequences is not None else []))
+        )
+
+    def search(
+        self, source_ids, options=None, target_prefix=None, suppress_sequences=None, sentence_ids=None
+    ):
+        """`Hypotheses` (as `SplitBeamSearch.search`)."""
+        request = options or self.options
+        if not self.plain(request, target_prefix, suppress_sequences):
+            return self.full.search(source_ids, options, target_prefix, suppress_sequences, sentence_ids)
+        source_ids = np.asarray(source_ids, np.int32)
+        if source_ids.shape[1] == 0:  # an empty batch, or no columns: one padding column
+            source_ids = np.zeros((source_ids.shape[0], 1), np.int32)
+        feed = {"source_ids": source_ids}
+        for name, dtype in LEAN_OPTIONS.items():  # only what differs from the export's
+            if getattr(request, name) != getattr(self.options, name):
+                feed[name] = np.array(getattr(request, name), dtype)
+        outputs = dict(zip(self.names, self.session.run(None, feed)))
+        n = request.num_return
+        return Hypotheses(
+            outputs["nbest_ids"][:, :n], outputs["nbest_scores"][:, :n], outputs["nbest_log_probs"][:, :n]
+        )
+
+
 def request_feed(
     source_ids, options, defaults, target_prefix=None, suppress_sequences=None, sentence_ids=None
 ):
@@ -492,14 +561,16 @@ class OnnxTranslator:
     Args:
         export_dir: the directory `export_onnx` wrote.
         mode: `"full"` (`translate.onnx`), `"split"` (`encoder.onnx` +
-            `decoder_step.onnx` with `SplitBeamSearch`), or `"text"`
+            `decoder_step.onnx` with `SplitBeamSearch`), `"text"`
             (`translate_text.onnx`; needs onnxruntime-extensions, and a
-            process without TensorFlow: see `make_session`).
+            process without TensorFlow: see `make_session`), or `"lean"`
+            (`translate_lean.onnx` for the requests without controls, the
+            others by `translate.onnx`: `LeanGraphSearch`).
         batch_size: sentences per call.
         threads: ONNX Runtime intra-op threads.
     """
 
-    MODES = ("full", "split", "text")
+    MODES = ("full", "split", "text", "lean")
 
     def __init__(self, export_dir, mode="full", batch_size=64, threads=None):
         import sentencepiece
@@ -513,9 +584,13 @@ class OnnxTranslator:
             model_file=os.path.join(export_dir, "tokenizer.model")
         )
         self.mode = mode
-        self.search = {"full": FullGraphSearch, "split": SplitBeamSearch, "text": TextGraph}[mode](
-            export_dir, threads, metadata
-        )
+        searches = {
+            "full": FullGraphSearch,
+            "split": SplitBeamSearch,
+            "text": TextGraph,
+            "lean": LeanGraphSearch,
+        }
+        self.search = searches[mode](export_dir, threads, metadata)
         self.batch_size = batch_size
 
     def encode(self, sentences):
@@ -622,7 +697,7 @@ class OnnxTranslator:
 
 
 def main(argv=None):
-    """`python -m keras_transformer_export.onnx_runtime DIR [--mode full|split|text]`: stdin to stdout."""
+    """`python -m keras_transformer_export.onnx_runtime DIR [--mode MODE]`: stdin to stdout."""
     import argparse
     import sys
 

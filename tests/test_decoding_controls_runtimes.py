@@ -5,7 +5,8 @@ several): Keras (`Translator`: a `tf.function` whose inputs are the options, or
 for the default request one with the options as Python values; with the growing
 and the fixed-size cache; and `decode` run eagerly with Python options), the SavedModel's
 `translate_with_options` through TF Serving's session path, ONNX Runtime's
-`translate.onnx`, the NumPy driver of `encoder.onnx` + `decoder_step.onnx`, and
+`translate.onnx`, the NumPy driver of `encoder.onnx` + `decoder_step.onnx`,
+`translate_lean.onnx` (the requests without controls; the others by `translate.onnx`) and
 `translate_text.onnx` (in a process without TensorFlow)
 give the same texts, the same alignments and the same scores (within 1e-4).
 Bad requests get one line from Python and the command line and an
@@ -108,6 +109,7 @@ def results(parts, translator, requests, exported):
         "keras_fixed_cache": fixed,
         "onnx_full": OnnxTranslator(onnx_dir, "full"),
         "onnx_split": OnnxTranslator(onnx_dir, "split"),
+        "onnx_lean": OnnxTranslator(onnx_dir, "lean"),
     }
     found = {
         name: {case: _as_lists(runtime.translate_hypotheses(s, **a)) for case, (s, a) in requests.items()}
@@ -198,7 +200,9 @@ def _saved_model(session, sentences, arguments):
     return rows
 
 
-RUNTIMES = ("keras_fixed_cache", "keras_eager", "saved_model", "onnx_full", "onnx_split", "onnx_text")
+RUNTIMES = (
+    "keras_fixed_cache", "keras_eager", "saved_model", "onnx_full", "onnx_split", "onnx_lean", "onnx_text",
+)  # fmt: skip
 
 
 @pytest.mark.parametrize("runtime", RUNTIMES)

@@ -1,0 +1,553 @@
+"""`translate_lean.onnx`: the beam search every plain request runs, written as ONNX nodes by hand
+around the exported `encoder.onnx` and `decoder_step.onnx`.
+
+`translate.onnx` is `translate_ids_with_options` converted by tf2onnx: one `Loop` whose body
+holds the decoder step (~95 nodes with the fused kernels) and ~200 nodes of search bookkeeping
+(the controls' switches, sentences leaving the batch, shape arithmetic as TensorFlow traced it).
+At the `mini` width that bookkeeping costs more than the decoder: on 40 val sentences at batch 1
+the decoder step alone in a `Loop` took 0.24 ms a step, `translate.onnx` 0.55 ms a step
+(docs/benchmarks.md). This graph is the same search with the bookkeeping written directly: ~60
+nodes a step besides the decoder's.
+
+What it is (the search of `keras_transformer.decoding.search._BeamSearch`, the same tokens):
+- the encoder's nodes once, then one `Loop` of at most `output_limits(len_src)` steps whose body
+  is `decoder_step.onnx`'s nodes, `policy.constrain`, the top `beam` of `beam * vocab`
+  candidates (ONNX `TopK`: ties go to the lower index, as `top_k`), the pool of finished
+  hypotheses (the best `beam` by `log P / length_penalty`), `policy.search_is_final`, and one
+  `Gather` per cache tensor to reorder the beams;
+- the policy's rules (`output_limits`, `constrain`, `length_penalty`, `search_is_final`,
+  `empty_sources`) are the functions of `keras_transformer.decoding.policy` themselves, called
+  with `OnnxOps` as their array namespace `xp` (each call emits the nodes; constant operands are
+  folded with NumPy);
+- a sentence whose search is final keeps its pool unchanged (`Where`) instead of leaving the
+  batch: the batch's shapes stay the same from step to step;
+- an empty source (`policy.empty_sources`) is not searched: EOS alone, score 0.
+
+Inputs: `source_ids` int32 `(batch, len_src)`; `length_penalty` float, `max_extra_length` and
+`min_length` int32 scalars, with the export's options as defaults (initializers). Outputs: the
+whole pools, best first: `nbest_ids` int32 `(batch, beam, max_len)`, `nbest_scores` and
+`nbest_log_probs` float `(batch, beam)` (a request's `num_return` is their first columns), and
+`target_ids` `(batch, max_len)`, `scores` `(batch,)`, the best of each.
+
+What it does not do: the controls (target prefix, banned words and sequences, n-gram and
+repetition limits), sampling and alignments. `OnnxTranslator(mode="lean")` sends the requests
+that ask for one of them to `translate.onnx`.
+"""
+
+import numpy as np
+from onnx import TensorProto, helper, numpy_helper
+
+from keras_transformer.decoding import policy
+from keras_transformer_export.onnx_runtime import LEAN_OPTIONS as OPTION_INPUTS
+
+OUTPUT_SHAPES = {
+    "target_ids": ["batch", "max_len"],
+    "scores": ["batch"],
+    "nbest_ids": ["batch", "beam", "max_len"],
+    "nbest_scores": ["batch", "beam"],
+    "nbest_log_probs": ["batch", "beam"],
+}
+
+_ONNX_TYPES = {
+    np.dtype(np.float32): TensorProto.FLOAT,
+    np.dtype(np.int32): TensorProto.INT32,
+    np.dtype(np.int64): TensorProto.INT64,
+    np.dtype(np.bool_): TensorProto.BOOL,
+}
+
+
+NUMPY_ARITHMETIC = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Div": np.divide, "Pow": np.power}
+
+
+class Tensor:
+    """A value of the graph being built: its name, NumPy dtype and rank (what the policy's
+    rules read of an array: `shape`'s length, `dtype`, arithmetic, `[:, i]`)."""
+
+    def __init__(self, ops, name, dtype, rank):
+        self.ops, self.name, self.dtype, self.rank = ops, name, np.dtype(dtype), rank
+
+    @property
+    def shape(self):
+        return (None,) * self.rank
+
+    def _binary(self, op_type, other, reverse=False):
+        a, b = (other, self) if reverse else (self, other)
+        return _innermost(a, b)._arith(op_type, a, b)
+
+    def __add__(self, other):
+        return self._binary("Add", other)
+
+    def __radd__(self, other):
+        return self._binary("Add", other, True)
+
+    def __sub__(self, other):
+        return self._binary("Sub", other)
+
+    def __rsub__(self, other):
+        return self._binary("Sub", other, True)
+
+    def __mul__(self, other):
+        return self._binary("Mul", other)
+
+    def __rmul__(self, other):
+        return self._binary("Mul", other, True)
+
+    def __truediv__(self, other):
+        return self._binary("Div", other)
+
+    def __rtruediv__(self, other):
+        return self._binary("Div", other, True)
+
+    def __pow__(self, other):
+        return self._binary("Pow", other)
+
+    def __getitem__(self, index):
+        """`x[:, i]` (full slices, then one integer): a `Gather` on that axis."""
+        index = index if isinstance(index, tuple) else (index,)
+        *full, last = index
+        if not all(s == slice(None) for s in full) or not isinstance(last, int):
+            raise NotImplementedError(f"OnnxOps supports x[:, ..., i] only; got {index!r}.")
+        return self.ops.take(self, np.array(last, np.int64), axis=len(full))
+
+
+def _is_constant(value):
+    return not isinstance(value, Tensor)
+
+
+def _innermost(*values):
+    """The builder of the most deeply nested graph among the tensors in `values` (a node reading
+    a value of an enclosing graph belongs to the inner one)."""
+    return max((v.ops for v in values if isinstance(v, Tensor)), key=lambda ops: ops.depth)
+
+
+class OnnxOps:
+    """The array namespace `xp` of `keras_transformer.decoding.policy` that writes ONNX nodes:
+    each function called on a `Tensor` appends the node(s) computing it; called on NumPy values
+    or Python numbers alone it computes them with NumPy (constant folding)."""
+
+    def __init__(self, prefix, depth=0):
+        self.prefix, self.depth, self.nodes, self.initializers, self._count = prefix, depth, [], [], 0
+
+    # -- building blocks ---------------------------------------------------------------------
+    def fresh(self, hint):
+        self._count += 1
+        return f"{self.prefix}{hint}_{self._count}"
+
+    def const(self, value, dtype=None):
+        array = np.asarray(value, dtype)
+        name = self.fresh("const")
+        self.initializers.append(numpy_helper.from_array(array, name))
+        return Tensor(self, name, array.dtype, array.ndim)
+
+    def tensor(self, value, like=None):
+        """`value` as a `Tensor`: constants take `like`'s dtype when they are Python numbers."""
+        if isinstance(value, Tensor):
+            return value
+        if like is not None and isinstance(value, (int, float, bool)):
+            return self.const(value, like.dtype)
+        return self.const(value)
+
+    def node(self, op_type, inputs, dtype, rank, outputs=1, **attributes):
+        names = [self.fresh(op_type.lower()) for _ in range(outputs)]
+        inputs = [x.name if isinstance(x, Tensor) else x for x in inputs]
+        self.nodes.append(helper.make_node(op_type, inputs, names, name=names[0], **attributes))
+        if outputs == 1:
+            return Tensor(self, names[0], dtype, rank)
+        return [Tensor(self, name, d, r) for name, (d, r) in zip(names, zip(dtype, rank))]
+
+    def unsqueeze(self, x, axes):
+        return self.node("Unsqueeze", [x, self.const(axes, np.int64)], x.dtype, x.rank + len(axes))
+
+    def squeeze(self, x, axes):
+        return self.node("Squeeze", [x, self.const(axes, np.int64)], x.dtype, x.rank - len(axes))
+
+    def concat(self, values, axis):
+        values = [self.tensor(v) for v in values]
+        return self.node("Concat", values, values[0].dtype, values[0].rank, axis=axis)
+
+    def arange(self, end, dtype):
+        """`Range(0, end, 1)` of a scalar or `(1,)` tensor `end`."""
+        end = self.squeeze(end, [0]) if end.rank == 1 else end
+        return self.node(
+            "Range", [self.const(0, dtype), self.cast(end, dtype), self.const(1, dtype)], dtype, 1
+        )
+
+    def reduce(self, op_type, x, axes=None):
+        """`op_type` (`ReduceSum`, `ReduceMin`, ...) over `axes` (default: all), axes dropped."""
+        inputs = [x] if axes is None else [x, self.const(axes, np.int64)]
+        return self.node(op_type, inputs, x.dtype, 0 if axes is None else x.rank - len(axes), keepdims=0)
+
+    def rows(self, x, indices):
+        """`x[indices]` along the first axis."""
+        return self.node("Gather", [x, indices], x.dtype, x.rank - 1 + indices.rank, axis=0)
+
+    def cast(self, x, dtype):
+        dtype = np.dtype(dtype)
+        if _is_constant(x):
+            return np.asarray(x, dtype)
+        if x.dtype == dtype:
+            return x
+        return self.node("Cast", [x], dtype, x.rank, to=_ONNX_TYPES[dtype])
+
+    def _pair(self, a, b):
+        """Two operands as tensors of one dtype (NumPy's promotion of int and float: float)."""
+        like = a if isinstance(a, Tensor) else b
+        a, b = self.tensor(a, like), self.tensor(b, like)
+        if a.dtype != b.dtype:
+            dtype = np.result_type(a.dtype, b.dtype)
+            a, b = self.cast(a, dtype), self.cast(b, dtype)
+        return a, b
+
+    def _arith(self, op_type, a, b):
+        if _is_constant(a) and _is_constant(b):
+            return NUMPY_ARITHMETIC[op_type](a, b)
+        a, b = self._pair(a, b)
+        return self.node(op_type, [a, b], a.dtype, max(a.rank, b.rank))
+
+    def _compare(self, op_type, numpy_function, a, b):
+        if _is_constant(a) and _is_constant(b):
+            return numpy_function(a, b)
+        a, b = self._pair(a, b)
+        return self.node(op_type, [a, b], np.bool_, max(a.rank, b.rank))
+
+    def _logical(self, op_type, numpy_function, a, b):
+        if _is_constant(a) and _is_constant(b):
+            return numpy_function(a, b)
+        a, b = self.tensor(a), self.tensor(b)
+        return self.node(op_type, [a, b], np.bool_, max(a.rank, b.rank))
+
+    # -- the functions the policy calls --------------------------------------------------------
+    def greater_equal(self, a, b):
+        return self._compare("GreaterOrEqual", np.greater_equal, a, b)
+
+    def less(self, a, b):
+        return self._compare("Less", np.less, a, b)
+
+    def equal(self, a, b):
+        return self._compare("Equal", np.equal, a, b)
+
+    def logical_and(self, a, b):
+        return self._logical("And", np.logical_and, a, b)
+
+    def logical_or(self, a, b):
+        return self._logical("Or", np.logical_or, a, b)
+
+    def logical_not(self, x):
+        return np.logical_not(x) if _is_constant(x) else self.node("Not", [x], np.bool_, x.rank)
+
+    def full(self, shape, value, dtype):
+        return np.full(shape, value, dtype)
+
+    def zeros(self, shape, dtype):
+        return np.zeros(shape, dtype)
+
+    def minimum(self, a, b):
+        if _is_constant(a) and _is_constant(b):
+            return np.minimum(a, b)
+        a, b = self._pair(a, b)
+        return self.node("Min", [a, b], a.dtype, max(a.rank, b.rank))
+
+    def where(self, condition, a, b):
+        if all(_is_constant(x) for x in (condition, a, b)):
+            return np.where(condition, a, b)
+        if _is_constant(a) and _is_constant(b):  # their common dtype
+            dtype = np.result_type(np.asarray(a), np.asarray(b))
+            a, b = self.const(a, dtype), self.const(b, dtype)
+        else:
+            a, b = self._pair(a, b)
+        condition = self.tensor(condition)
+        return self.node("Where", [condition, a, b], a.dtype, max(condition.rank, a.rank, b.rank))
+
+    def reshape(self, x, shape):
+        if _is_constant(x):
+            return np.reshape(x, shape)
+        return self.node("Reshape", [x, self.const(shape, np.int64)], x.dtype, len(shape))
+
+    def max(self, x, axis):
+        return self.node("ReduceMax", [x], x.dtype, x.rank - 1, axes=[axis], keepdims=0)
+
+    def all(self, x, axis):
+        as_int = self.cast(x, np.int32)
+        smallest = self.node("ReduceMin", [as_int], np.int32, x.rank - 1, axes=[axis], keepdims=0)
+        return self.cast(smallest, np.bool_)
+
+    def take(self, x, indices, axis=0):
+        x, indices = self.tensor(x), self.tensor(indices)
+        return self.node("Gather", [x, indices], x.dtype, x.rank - 1 + indices.rank, axis=axis)
+
+    def clip(self, x, low, high):
+        if _is_constant(x):
+            return np.clip(x, low, high)
+        low, high = self.const(low, x.dtype), self.const(high, x.dtype)
+        return self.node("Clip", [x, low, high], x.dtype, x.rank)
+
+
+def _uniquely_named(nodes, prefix):
+    """`nodes` with a name each: tf2onnx leaves some unnamed, and prefixed they would clash."""
+    seen = set()
+    for index, node in enumerate(nodes):
+        if node.name in seen or node.name == prefix:
+            node.name = f"{prefix}{node.op_type}_{index}"
+        seen.add(node.name)
+    return nodes
+
+
+def _value(name, dtype, shape=None):
+    return helper.make_tensor_value_info(name, _ONNX_TYPES[np.dtype(dtype)], shape)
+
+
+def _loop(ops, name, trips, condition, carried, body, outputs_hint):
+    """A `Loop` node in `ops`' graph over `body` (an `OnnxOps`, its inputs the iteration, the
+    condition and `carried`'s `{name: Tensor}`, its outputs `outputs_hint`: the condition, then
+    one `Tensor` per carried name); the loop's final carried values `{name: Tensor}`."""
+    names = list(carried)
+    inputs = [body.iteration, body.condition] + [body.carried[n] for n in names]
+    graph = helper.make_graph(
+        body.nodes,
+        name.replace("/", "_"),
+        [_value(v.name, v.dtype, [] if v.rank == 0 else None) for v in inputs],
+        [_value(v.name, v.dtype, [] if v.rank == 0 else None) for v in outputs_hint],
+        body.initializers,
+    )
+    results = [ops.fresh(f"{name}_{n}") for n in names]
+    inputs = [trips.name, condition.name] + [carried[n].name for n in names]
+    ops.nodes.append(helper.make_node("Loop", inputs, results, name=ops.fresh(name), body=graph))
+    return {n: Tensor(ops, r, carried[n].dtype, carried[n].rank) for n, r in zip(names, results)}
+
+
+def _body(prefix, depth, carried):
+    """An `OnnxOps` for a `Loop` body with inputs for the iteration, the condition and one per
+    value of `carried` `{name: Tensor}` (`body.carried`)."""
+    body = OnnxOps(prefix, depth)
+    body.iteration = Tensor(body, f"{prefix}iteration", np.int64, 0)
+    body.condition = Tensor(body, f"{prefix}condition", np.bool_, 0)
+    body.carried = {n: Tensor(body, f"{prefix}in/{n}", v.dtype, v.rank) for n, v in carried.items()}
+    return body
+
+
+# A search stage ends (the finished sentences leave the batch, `_stage`) once at most
+# STAGE_FRACTION of the sentences it started with are still searched.
+STAGE_FRACTION = (1, 2)
+
+# The per-sentence state of the search that a step updates (besides `step`, `last` and the caches).
+STEP_STATE = ("alive", "alive_log_probs", "finished", "finished_scores", "finished_log_probs", "done")
+
+
+def lean_translate_graph(encoder, decoder_step, config, decoding, blank):
+    """`translate_lean.onnx` (module docstring) from the exported `encoder` and `decoder_step`
+    ONNX models, the model's `config` and the export's `decoding` options (`export.json`'s), and
+    `blank` `(vocab,)` bool (`policy.blank_ids`)."""
+    from keras_transformer_export.onnx import _prefixed  # the graph-renaming helper of the export
+
+    beam, vocab = decoding["beam_size"], config["target_vocab_size"] or config["vocab_size"]
+    pad, bos, eos = config["pad_id"], config["bos_id"], config["eos_id"]
+    layers = config["num_decoder_layers"] or config["num_layers"]
+    heads, depth = config["num_heads"], config["d_model"] // config["num_heads"]
+    caches = [f"past_{kind}_{i}" for kind in ("key", "value") for i in range(layers)]
+    crosses = [f"cross_{kind}_{i}" for kind in ("key", "value") for i in range(layers)]
+    neg_inf = np.float32(policy.NEG_INF)
+
+    main = OnnxOps("lean/")
+    source = Tensor(main, "source_ids", np.int32, 2)
+    options = {name: Tensor(main, name, dtype, 0) for name, dtype in OPTION_INPUTS.items()}
+    alpha, min_length = options["length_penalty"], options["min_length"]
+
+    # The encoder, once.
+    encoder_graph = _prefixed(encoder.graph, "enc/", {"source_ids": "source_ids"})
+    main.nodes.extend(_uniquely_named(encoder_graph.node, "enc/"))
+    main.initializers.extend(encoder_graph.initializer)
+    encoded = {v.name: Tensor(main, f"enc/{v.name}", np.float32, 4) for v in encoder.graph.output}
+    encoded["memory_mask"] = Tensor(main, "enc/memory_mask", np.bool_, 3)
+
+    # Set-up: the output limits (policy.output_limits), the empty sources, the initial state.
+    batch = main.node("Shape", [source], np.int64, 1, start=0, end=1)
+    width = main.node("Shape", [source], np.int64, 1, start=1, end=2)
+    not_pad = main.logical_not(main.equal(source, np.int32(pad)))
+    lengths = main.reduce("ReduceSum", main.cast(not_pad, np.int32), [1])
+    extra = options["max_extra_length"]
+    limits = policy.output_limits(lengths, config["max_length"], main, extra)  # (batch,) int32
+    max_len = policy.output_limits(main.cast(width, np.int32), config["max_length"], main, extra)  # (1,)
+    max_len64 = main.cast(max_len, np.int64)
+    trips = main.squeeze(max_len64, [0])
+    empty = policy.empty_sources(source, np.asarray(blank, bool), main)  # (batch,)
+    positions = main.arange(max_len, np.int32)
+    # Per step (tokens decoded before it): the tokens after it, and their length penalty.
+    steps_after = main.cast(positions + np.int32(1), np.float32)  # (max_len,)
+    step_penalties = policy.length_penalty(steps_after, alpha)
+    row_shape = main.concat([main.const([-1], np.int64), max_len64], axis=0)  # (-1, max_len)
+
+    def filled(ops, shape, value, dtype, rank):
+        tensor = numpy_helper.from_array(np.array([value], dtype))
+        return ops.node("ConstantOfShape", [shape], dtype, rank, value=tensor)
+
+    rows = batch * np.int64(beam)
+    pool_shape = main.concat([batch, main.const([beam], np.int64), max_len64], axis=0)
+    beam_shape = main.concat([batch, main.const([beam], np.int64)], axis=0)
+    first_only = main.const([[0.0] + [neg_inf] * (beam - 1)], np.float32)
+    ones = main.const([1], np.int64)
+    state = {
+        "step": main.const(0, np.int64),
+        "sentences": main.arange(batch, np.int64),
+        "limits": limits,
+        **{name: encoded[name] for name in ["memory_mask", *crosses]},
+        "last": filled(main, rows, bos, np.int32, 1),
+        "alive": filled(main, pool_shape, pad, np.int32, 3),
+        "alive_log_probs": main.node("Tile", [first_only, main.concat([batch, ones], 0)], np.float32, 2),
+        "finished": filled(main, pool_shape, pad, np.int32, 3),
+        "finished_scores": filled(main, beam_shape, neg_inf, np.float32, 2),
+        "finished_log_probs": filled(main, beam_shape, neg_inf, np.float32, 2),
+        "done": empty,
+    }
+    cache_shape = main.concat([rows, main.const([heads, 0, depth], np.int64)], axis=0)
+    for name in caches:
+        state[name] = filled(main, cache_shape, 0.0, np.float32, 4)
+    state["results"] = state["finished"]
+    state["result_scores"] = state["finished_scores"]
+    state["result_log_probs"] = state["finished_log_probs"]
+    searching = main.less(
+        main.node("ReduceMin", [main.cast(empty, np.int32)], np.int32, 0, keepdims=0), np.int32(1)
+    )
+
+    # The stages: the sentences still searched form the batch; their steps run until at most
+    # STAGE_FRACTION of them are left.
+    stage = _body("lean/stage/", 1, state)
+    now = dict(stage.carried)
+    sentence_keys = ["sentences", "limits", "memory_mask", *crosses, *STEP_STATE]
+    results = ("results", "result_scores", "result_log_probs")
+    where = stage.unsqueeze(now["sentences"], [1])  # every sentence's pool into the results
+    for result, key in zip(results, ("finished", "finished_scores", "finished_log_probs")):
+        now[result] = stage.node("ScatterND", [now[result], where, now[key]], now[key].dtype, now[key].rank)
+    live = stage.node("NonZero", [stage.logical_not(now["done"])], np.int64, 2)
+    live = stage.reshape(live, (-1,))  # (live,) the sentences still searched
+    for key in sentence_keys:
+        now[key] = stage.rows(now[key], live)
+    size = stage.node("Shape", [live], np.int64, 1)
+    beams = stage.const(np.arange(beam), np.int64)
+    live_rows = stage.reshape(stage.unsqueeze(live, [1]) * np.int64(beam) + beams, (-1,))
+    for key in ["last", *caches]:
+        now[key] = stage.rows(now[key], live_rows)
+    numerator, denominator = STAGE_FRACTION
+    enough = stage.squeeze(stage._arith("Div", size * np.int64(numerator), np.int64(denominator)), [0])
+    beam_rows = stage.unsqueeze(stage.arange(size, np.int64), [1])
+    pool_rows = beam_rows * np.int64(2 * beam)
+    beam_rows = beam_rows * np.int64(beam)
+    stage_pool_shape = stage.concat([size, stage.const([beam], np.int64), max_len64], axis=0)
+    stage_limits = now["limits"]
+    stage_limits_float = stage.cast(stage_limits, np.float32)
+
+    # One step of every searched sentence's beam.
+    step_state = {key: now[key] for key in ["step", "last", *STEP_STATE, *caches]}
+    body = _body("lean/step/", 2, step_state)
+    carried = body.carried
+    step64 = carried["step"]
+    step = body.cast(step64, np.int32)  # tokens before this step
+    next_step = body.take(steps_after, step64)  # float: tokens after this step
+    decoder_inputs = {"token_ids": carried["last"].name, "memory_mask": now["memory_mask"].name}
+    decoder_inputs.update({name: carried[name].name for name in caches})
+    decoder_inputs.update({name: now[name].name for name in crosses})
+    decoder_graph = _prefixed(decoder_step.graph, "dec/", decoder_inputs)
+    body.nodes.extend(_uniquely_named(decoder_graph.node, "dec/"))
+    body.initializers.extend(decoder_graph.initializer)
+    log_probs = body.reshape(Tensor(body, "dec/log_probs", np.float32, 2), (-1, beam, vocab))
+    ids = np.arange(vocab)
+    never = np.isin(ids, [config[name] for name in policy.NEVER_OUTPUT])
+    log_probs = policy.constrain(log_probs, step, stage_limits, never, ids == eos, min_length, body)
+    expanded = body.unsqueeze(carried["alive_log_probs"], [2])
+    candidates = body.reshape(body._arith("Add", expanded, log_probs), (-1, beam * vocab))
+    top_log_probs, top_index = body.node(
+        "TopK", [candidates, body.const([beam], np.int64)], (np.float32, np.int64), (2, 2), outputs=2, axis=-1
+    )
+    origin = body._arith("Div", top_index, np.int64(vocab))  # which live hypothesis each extends
+    tokens = body.cast(body.node("Mod", [top_index, body.const(vocab, np.int64)], np.int64, 2), np.int32)
+    origin_rows = body.reshape(body._arith("Add", beam_rows, origin), (-1,))  # (sentences * beam,)
+    alive = body.rows(body.node("Reshape", [carried["alive"], row_shape], np.int32, 2), origin_rows)
+    alive = body.node("Reshape", [alive, stage_pool_shape], np.int32, 3)
+    alive = body.where(body.equal(positions, step), body.unsqueeze(tokens, [2]), alive)
+    is_eos = body.equal(tokens, np.int32(eos))
+    # Candidates ending in EOS join the pool of finished hypotheses. A sentence already final
+    # keeps its pool (in the Keras search it has left the batch): its candidates are impossible,
+    # and `TopK` ranks the pool's own entries first among equals.
+    was_done = carried["done"]
+    searched = body.unsqueeze(body.logical_not(was_done), [1])
+    eos_log_probs = body.where(body.logical_and(is_eos, searched), top_log_probs, neg_inf)
+    penalized = eos_log_probs / body.take(step_penalties, step64)
+    pool_scores = body.concat([carried["finished_scores"], penalized], axis=1)
+    pool_log_probs = body.concat([carried["finished_log_probs"], eos_log_probs], axis=1)
+    pool = body.concat([carried["finished"], alive], axis=1)
+    finished_scores, keep = body.node(
+        "TopK",
+        [pool_scores, body.const([beam], np.int64)],
+        (np.float32, np.int64),
+        (2, 2),
+        outputs=2,
+        axis=-1,
+    )
+    keep_rows = body.reshape(body._arith("Add", pool_rows, keep), (-1,))
+    finished = body.rows(body.node("Reshape", [pool, row_shape], np.int32, 2), keep_rows)
+    # The others stay live; a slot whose candidate finished is dead this step.
+    alive_log_probs = body.where(is_eos, neg_inf, top_log_probs)
+    final = policy.search_is_final(
+        next_step, stage_limits_float, alive_log_probs, finished_scores, alpha, body
+    )
+    new = {
+        "step": step64 + np.int64(1),
+        "last": body.reshape(tokens, (-1,)),
+        "alive": alive,
+        "alive_log_probs": alive_log_probs,
+        "finished": body.node("Reshape", [finished, stage_pool_shape], np.int32, 3),
+        "finished_scores": finished_scores,
+        "finished_log_probs": body.node("GatherElements", [pool_log_probs, keep], np.float32, 2, axis=1),
+        "done": body.logical_or(was_done, final),
+    }
+    for past in caches:  # the beams reordered: one gather per cache tensor
+        new[past] = body.rows(
+            Tensor(body, f"dec/{past.replace('past_', 'present_')}", np.float32, 4), origin_rows
+        )
+    searched_now = body.reduce("ReduceSum", body.cast(body.logical_not(new["done"]), np.int64))
+    more = body.node("Greater", [searched_now, enough], np.bool_, 0)
+    steps_left = stage.squeeze(max_len64, [0]) - now["step"]
+    outputs = [more] + [new[k] for k in step_state]
+    stepped = _loop(stage, "lean/steps", steps_left, stage.const(True, np.bool_), step_state, body, outputs)
+    now.update(stepped)
+    left = stage.reduce("ReduceMin", stage.cast(now["done"], np.int32))
+    again = stage.logical_and(
+        stage.less(left, np.int32(1)), stage.less(now["step"], stage.squeeze(max_len64, [0]))
+    )
+    staged = _loop(main, "lean/stages", trips, searching, state, stage, [again] + [now[k] for k in state])
+
+    # The sentences still searched when the loop ended (at max_len) write their pools too.
+    where = main.unsqueeze(staged["sentences"], [1])
+    pools = [
+        main.node("ScatterND", [staged[result], where, staged[key]], staged[key].dtype, staged[key].rank)
+        for result, key in zip(results, ("finished", "finished_scores", "finished_log_probs"))
+    ]
+    # An empty source: EOS alone, score 0 (policy.empty_sources).
+    eos_alone = main.where(main.equal(positions, np.int32(0)), np.int32(eos), np.int32(pad))  # (max_len,)
+    nbest_ids = main.where(main.unsqueeze(empty, [1, 2]), eos_alone, pools[0])
+    nbest_scores = main.where(main.unsqueeze(empty, [1]), np.float32(0), pools[1])
+    nbest_log_probs = main.where(main.unsqueeze(empty, [1]), np.float32(0), pools[2])
+    first = main.const(0, np.int64)
+    graph_outputs = {
+        "target_ids": main.take(nbest_ids, first, axis=1),
+        "scores": main.take(nbest_scores, first, axis=1),
+        "nbest_ids": nbest_ids,
+        "nbest_scores": nbest_scores,
+        "nbest_log_probs": nbest_log_probs,
+    }
+    for name, value in graph_outputs.items():
+        main.nodes.append(helper.make_node("Identity", [value.name], [name], name=f"lean/{name}"))
+    defaults = [
+        numpy_helper.from_array(np.array(decoding[n], dtype), n) for n, dtype in OPTION_INPUTS.items()
+    ]
+    graph = helper.make_graph(
+        main.nodes,
+        "translate_lean",
+        [_value("source_ids", np.int32, ["batch", "source_length"])]
+        + [_value(name, dtype, []) for name, dtype in OPTION_INPUTS.items()],
+        [_value(name, value.dtype, OUTPUT_SHAPES[name]) for name, value in graph_outputs.items()],
+        main.initializers + defaults,
+    )
+    model = helper.make_model(graph, opset_imports=list(decoder_step.opset_import))
+    model.ir_version = decoder_step.ir_version
+    model.doc_string = "keras-transformer translate_lean: the plain beam search, hand-built (lean_search.py)"
+    return model
