@@ -1,26 +1,31 @@
-"""`translate_lean.onnx`: the beam search every plain request runs, written as ONNX nodes by hand
-around the exported `encoder.onnx` and `decoder_step.onnx`.
+"""`translate_lean.onnx`: the beam search every request without controls runs, written as ONNX
+nodes by hand around the exported `encoder.onnx` and `decoder_step.onnx`.
 
 `translate.onnx` is `translate_ids_with_options` converted by tf2onnx: one `Loop` whose body
-holds the decoder step (~95 nodes with the fused kernels) and ~200 nodes of search bookkeeping
-(the controls' switches, sentences leaving the batch, shape arithmetic as TensorFlow traced it).
-At the `mini` width that bookkeeping costs more than the decoder: on 40 val sentences at batch 1
-the decoder step alone in a `Loop` took 0.24 ms a step, `translate.onnx` 0.55 ms a step
-(docs/benchmarks.md). This graph is the same search with the bookkeeping written directly: ~60
-nodes a step besides the decoder's.
+holds the decoder step and ~200 nodes of search bookkeeping (the controls' switches, sentences
+leaving the batch at every step, shape arithmetic as TensorFlow traced it). At the `mini` width
+that bookkeeping costs about as much as the decoder: on 40 val sentences at batch 1 (fused
+kernels, AMD EPYC) `decoder_step.onnx` alone in a `Loop` with an `ArgMax` took 0.24 ms a step,
+`translate.onnx` 0.55 ms a step. Here the same search has ~65 nodes a step besides the decoder's.
 
 What it is (the search of `keras_transformer.decoding.search._BeamSearch`, the same tokens):
-- the encoder's nodes once, then one `Loop` of at most `output_limits(len_src)` steps whose body
-  is `decoder_step.onnx`'s nodes, `policy.constrain`, the top `beam` of `beam * vocab`
-  candidates (ONNX `TopK`: ties go to the lower index, as `top_k`), the pool of finished
-  hypotheses (the best `beam` by `log P / length_penalty`), `policy.search_is_final`, and one
-  `Gather` per cache tensor to reorder the beams;
+- the encoder's nodes once; then a `Loop` over stages, each a `Loop` over decoding steps whose
+  body is `decoder_step.onnx`'s nodes (its weights as the body's own initializers: values read
+  from an enclosing graph are passed to the body at every iteration, which cost ~20% at batch 1),
+  `policy.constrain`, the top `beam` of `beam * vocab` candidates (ONNX `TopK`: ties go to the
+  lower index, as `top_k`), the pool of finished hypotheses (the best `beam` by
+  `log P / length_penalty`), `policy.search_is_final`, and one `Gather` per cache tensor to
+  reorder the beams;
 - the policy's rules (`output_limits`, `constrain`, `length_penalty`, `search_is_final`,
   `empty_sources`) are the functions of `keras_transformer.decoding.policy` themselves, called
-  with `OnnxOps` as their array namespace `xp` (each call emits the nodes; constant operands are
-  folded with NumPy);
-- a sentence whose search is final keeps its pool unchanged (`Where`) instead of leaving the
-  batch: the batch's shapes stay the same from step to step;
+  with `OnnxOps` as their array namespace `xp`: each call emits the nodes, in the innermost
+  graph that holds an operand (a rule of per-sentence constants is computed once per stage),
+  and constant operands are folded with NumPy;
+- a sentence whose search is final keeps its pool (its candidates are impossible, and `TopK`
+  keeps the pool's own entries first among equals) until the stage ends: once at most
+  `STAGE_FRACTION` of the stage's sentences are still searched, the finished ones write their
+  pools into the results and leave, and the next stage runs on the others (`translate.onnx`
+  drops them at every step: ~20 more nodes a step);
 - an empty source (`policy.empty_sources`) is not searched: EOS alone, score 0.
 
 Inputs: `source_ids` int32 `(batch, len_src)`; `length_penalty` float, `max_extra_length` and
@@ -38,6 +43,7 @@ import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
 from keras_transformer.decoding import policy
+from keras_transformer_export.onnx_runtime import LEAN_GRAPH
 from keras_transformer_export.onnx_runtime import LEAN_OPTIONS as OPTION_INPUTS
 
 OUTPUT_SHAPES = {
@@ -325,9 +331,10 @@ def _body(prefix, depth, carried):
     return body
 
 
-# A search stage ends (the finished sentences leave the batch, `_stage`) once at most
-# STAGE_FRACTION of the sentences it started with are still searched.
-STAGE_FRACTION = (1, 2)
+# A search stage ends (the finished sentences leave the batch) once at most STAGE_FRACTION of
+# the sentences it started with are still searched. 3/4 rather than 1/2: at batch 32 (fused
+# kernels, 192 val sentences, AMD EPYC) faster in 9 of 10 interleaved passes (~3%).
+STAGE_FRACTION = (3, 4)
 
 # The per-sentence state of the search that a step updates (besides `step`, `last` and the caches).
 STEP_STATE = ("alive", "alive_log_probs", "finished", "finished_scores", "finished_log_probs", "done")
@@ -551,3 +558,35 @@ def lean_translate_graph(encoder, decoder_step, config, decoding, blank):
     model.ir_version = decoder_step.ir_version
     model.doc_string = "keras-transformer translate_lean: the plain beam search, hand-built (lean_search.py)"
     return model
+
+
+def write_lean_graph(export_dir):
+    """Writes `translate_lean.onnx` into an ONNX export directory from its `encoder.onnx`,
+    `decoder_step.onnx`, `export.json` and `tokenizer.model` (for a directory whose step
+    graphs were rewritten after the export, e.g. with fused kernels); returns its path."""
+    import json
+    import os
+
+    import onnx
+    import sentencepiece
+
+    with open(os.path.join(export_dir, "export.json"), encoding="utf-8") as handle:
+        metadata = json.load(handle)
+    processor = sentencepiece.SentencePieceProcessor(model_file=os.path.join(export_dir, "tokenizer.model"))
+    blank = policy.blank_ids(processor.id_to_piece, processor.get_piece_size())
+    model = lean_translate_graph(
+        *(onnx.load(os.path.join(export_dir, f"{stem}.onnx")) for stem in ("encoder", "decoder_step")),
+        metadata["model"], metadata["decoding"], blank,
+    )  # fmt: skip
+    path = os.path.join(export_dir, f"{LEAN_GRAPH}.onnx")
+    onnx.save(model, path)
+    return path
+
+
+def step_body(model):
+    """The `Loop` body of one search step in a `translate_lean.onnx` model (inside the stages'
+    `Loop`): its node count is the graph's nodes per step."""
+    stages = next(node for node in model.graph.node if node.op_type == "Loop")
+    stage = next(a.g for a in stages.attribute if a.name == "body")
+    steps = next(node for node in stage.node if node.op_type == "Loop")
+    return next(a.g for a in steps.attribute if a.name == "body")

@@ -17,6 +17,8 @@ search also at each of `--ct2-threads` (1 and 2 by default):
 | onnx_int8           | `export --format onnx --quantization int8`, full graph |
 | onnx_fused          | `export --format onnx --onnx-kernels fused`: `translate.onnx` with ONNX Runtime's cross-attention and skip-LayerNorm kernels (`keras_transformer_export.fused_kernels`) |
 | onnx_fused_int8     | the same with `--quantization int8` |
+| onnx_lean           | `translate_lean.onnx` (`OnnxTranslator(mode="lean")`): the beam search without controls written as ONNX nodes around `encoder.onnx` and `decoder_step.onnx` (`keras_transformer_export.lean_search`) |
+| onnx_fused_lean, onnx_fused_int8_lean | the same built from the fused float32 and int8 step graphs |
 | ct2_float32         | `export --format ctranslate2`, `CTranslate2Translator` (GNMT re-ranking of the n-best; batches split by source length for exact parity) |
 | ct2_int8            | the same with `--quantization int8` |
 | ct2_native_float32  | CTranslate2's own search on the same batches: one `translate_batch` per batch, its own length penalty (score / length^α): what a user who picks CTranslate2 runs, **the baseline of every ratio** |
@@ -95,10 +97,10 @@ BATCH = 32
 # CTranslate2 at batch 1 took 8-14 ms alone, 22-41 ms right after an ONNX Runtime session's
 # runs, 11.5 ms after a 50 ms pause. Each runtime is timed as it would run alone.
 SETTLE_SECONDS = 0.05
-EXACT = ("keras (fixed cache)", "saved_model", "onnx_full (before)", "onnx_full", "onnx_split")
+EXACT = ("keras (fixed cache)", "saved_model", "onnx_full (before)", "onnx_full", "onnx_split", "onnx_lean")
 # Compiled by XLA or fused kernels, other rounding: a near-tie may flip. Its identical count is reported, and the
 # sentences where it differs from Keras are listed in the JSON (`differences`).
-REPORTED = ("saved_model_xla", "onnx_fused")
+REPORTED = ("saved_model_xla", "onnx_fused", "onnx_fused_lean")
 
 
 def _threads(count):
@@ -118,6 +120,7 @@ def runtimes(model, tokenizer, directory, args):
     from keras_transformer_export import onnx as onnx_export
     from keras_transformer_export.ctranslate2 import export_ctranslate2
     from keras_transformer_export.graphs import TranslationGraphs
+    from keras_transformer_export.lean_search import step_body
     from keras_transformer_export.onnx import export_onnx, request_defaults, translate_graph, with_defaults
     from keras_transformer_export.saved_model import export_saved_model
     from keras_transformer_export.xla_serving import XlaBuckets
@@ -166,6 +169,9 @@ def runtimes(model, tokenizer, directory, args):
         "onnx_int8": (int8_dir, "full"),
         "onnx_fused": (fused_dir, "full"),
         "onnx_fused_int8": (fused_int8_dir, "full"),
+        "onnx_lean": (onnx_dir, "lean"),
+        "onnx_fused_lean": (fused_dir, "lean"),
+        "onnx_fused_int8_lean": (fused_int8_dir, "lean"),
     }
     onnx_workers = {name: onnx_worker(d, graph, args.threads) for name, (d, graph) in onnx_runtimes.items()}
     ct2_workers = {q: ct2_worker(path, args, args.threads) for q, path in ct2.items()}
@@ -202,6 +208,8 @@ def runtimes(model, tokenizer, directory, args):
     for key, export_dir in (("translate.onnx", onnx_dir), ("fused translate.onnx", fused_dir)):
         body = main_body(onnx.load(os.path.join(export_dir, "translate.onnx")))
         sizes[f"{key} Loop body nodes"] = len(body.node)
+        lean = step_body(onnx.load(os.path.join(export_dir, "translate_lean.onnx")))
+        sizes[f"{key.replace('translate', 'translate_lean')} Loop body nodes"] = len(lean.node)
     sizes["paths"] = {"saved_model": saved, "onnx": onnx_dir}  # for the load rows (`--load`)
     sizes["xla_buckets"] = xla_compiles
     return result, sizes
@@ -225,18 +233,23 @@ def ct2_best(results, quantization, key):
 
 
 def fused_copy(onnx_dir, out):
-    """`onnx_dir` copied to `out` with `translate.onnx` rewritten as `export --onnx-kernels fused`
-    rewrites it (`fuse_for_onnx_runtime`, the function the export applies to every graph): the
-    same fused graph as a second export, without converting the model again."""
+    """`onnx_dir` copied to `out` with `translate.onnx`, `encoder.onnx` and `decoder_step.onnx`
+    rewritten as `export --onnx-kernels fused` rewrites them (`fuse_for_onnx_runtime`, the
+    function the export applies to every graph) and `translate_lean.onnx` built again from the
+    fused step graphs: the same fused graphs as a second export, without converting the model
+    again."""
     import shutil
 
     import onnx
 
     from keras_transformer_export.fused_kernels import fuse_for_onnx_runtime
+    from keras_transformer_export.lean_search import write_lean_graph
 
     shutil.copytree(onnx_dir, out)
-    path = os.path.join(out, "translate.onnx")
-    onnx.save(fuse_for_onnx_runtime(onnx.load(path)), path)
+    for stem in ("translate", "encoder", "decoder_step"):
+        path = os.path.join(out, f"{stem}.onnx")
+        onnx.save(fuse_for_onnx_runtime(onnx.load(path)), path)
+    write_lean_graph(out)
     return out
 
 
@@ -381,7 +394,7 @@ def ct2_worker(path, args, threads):
 
 
 def onnx_worker(export_dir, graph, threads):
-    """`Worker` of the ONNX export `export_dir` (`graph`: "full" or "split")."""
+    """`Worker` of the ONNX export `export_dir` (`graph`: an `OnnxTranslator` mode: "full", "split", "lean")."""
     return Worker(_onnx_serve, export_dir, graph, threads, label=f"{export_dir} ({graph})")
 
 
@@ -725,6 +738,9 @@ def main():
         "onnx_int8 >= 1.0x ct2_native_int8": "onnx_int8",
         "onnx_fused >= 1.0x ct2_native_float32": "onnx_fused",
         "onnx_fused_int8 >= 1.0x ct2_native_int8": "onnx_fused_int8",
+        "onnx_lean >= 1.0x ct2_native_float32": "onnx_lean",
+        "onnx_fused_lean >= 1.0x ct2_native_float32": "onnx_fused_lean",
+        "onnx_fused_int8_lean >= 1.0x ct2_native_int8": "onnx_fused_int8_lean",
         "saved_model_xla >= 0.5x ct2_native_float32": "saved_model_xla",
         "saved_model (no XLA)": "saved_model",
     }
@@ -747,7 +763,8 @@ def main():
     )
     print(
         f"translate.onnx Loop body: {sizes['translate.onnx Loop body nodes']} nodes per step "
-        f"({sizes['fused translate.onnx Loop body nodes']} fused)"
+        f"({sizes['fused translate.onnx Loop body nodes']} fused); translate_lean.onnx: "
+        f"{sizes['translate_lean.onnx Loop body nodes']} ({sizes['fused translate_lean.onnx Loop body nodes']} fused)"
     )
     print("\ntranslate_xla per bucket: first request (compiles its program; no warmup) and again (warm):\n")
     harness.print_table(
@@ -775,6 +792,8 @@ def main():
         "file_bytes": files,
         "loop_body_nodes": sizes["translate.onnx Loop body nodes"],
         "fused_loop_body_nodes": sizes["fused translate.onnx Loop body nodes"],
+        "lean_loop_body_nodes": sizes["translate_lean.onnx Loop body nodes"],
+        "fused_lean_loop_body_nodes": sizes["fused translate_lean.onnx Loop body nodes"],
         "xla_buckets": xla_buckets,
         "ct2_threads": args.ct2_threads,
         "ct2_baselines": baselines,

@@ -4,8 +4,10 @@ For each `translate.onnx` given (an `export --format onnx` directory), the nodes
 graph's `Loop` body (the default request's beam search; the searches with per-request options
 are `Loop`s inside `If` branches, listed in the JSON) as stored and after ONNX Runtime's own
 optimizer (`ORT_ENABLE_ALL`, the session default), with the body's most frequent node
-types; for each SavedModel version directory given, the nodes of the `while` body of its
-`translate_ids` function (all, and without `Const`). Every graph runs these nodes once per decoding step.
+types, and the step `Loop` body of `translate_lean.onnx` (with how many of its nodes are the
+search's, not `decoder_step.onnx`'s); for each SavedModel version directory given, the nodes of
+the `while` body of its `translate_ids` function (all, and without `Const`). Every graph runs
+these nodes once per decoding step.
 
     python scripts/count_loop_nodes.py [--onnx EXPORT_DIR ...] [--saved-model VERSION_DIR ...]
         [--json results/loop_nodes.json]
@@ -102,6 +104,15 @@ def main():
         report["onnx"].append(found)
         rows.append([export_dir, "translate.onnx beam search Loop body", found["loop_body_nodes"]])
         rows.append([export_dir, "  after ONNX Runtime's optimizer", found["after_onnx_runtime_optimizer"]])
+        lean_path = os.path.join(export_dir, "translate_lean.onnx")
+        if os.path.exists(lean_path):
+            from keras_transformer_export.lean_search import step_body
+
+            step = len(step_body(onnx.load(lean_path)).node)
+            decoder = len(onnx.load(os.path.join(export_dir, "decoder_step.onnx")).graph.node)
+            found.update(lean_step_body_nodes=step, decoder_step_nodes=decoder)
+            rows.append([export_dir, "translate_lean.onnx step Loop body", step])
+            rows.append([export_dir, "  of which the search (not decoder_step.onnx's)", step - decoder])
     if args.saved_model:
         harness.tensorflow()
     for version_dir in args.saved_model:

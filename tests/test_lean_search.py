@@ -1,0 +1,162 @@
+"""`translate_lean.onnx` (`keras_transformer_export.lean_search`): the policy's rules emitted as ONNX
+nodes compute what NumPy computes, the graph gives `translate.onnx`'s hypotheses on batches whose
+sentences finish at different steps, and a request with a control goes to `translate.onnx`.
+(Every decoding case against Keras: tests/test_decoding_controls_runtimes.py, runtime `onnx_lean`.)"""
+
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime
+import pytest
+from onnx import helper
+
+from keras_transformer.decoding import policy
+from keras_transformer_export.lean_search import OnnxOps, Tensor, step_body, write_lean_graph
+from keras_transformer_export.onnx_runtime import (
+    DecodingOptions,
+    FullGraphSearch,
+    LeanGraphSearch,
+    OnnxTranslator,
+    make_session,
+)
+
+
+def _run(ops, inputs, outputs, feed):
+    """The graph of `ops` with `inputs` `{name: (dtype, rank)}` and `outputs` `[Tensor]`, run on `feed`."""
+    from keras_transformer_export.lean_search import _value
+
+    graph = helper.make_graph(
+        ops.nodes,
+        "rules",
+        [_value(name, dtype, [None] * rank if rank else []) for name, (dtype, rank) in inputs.items()],
+        [_value(t.name, t.dtype, [None] * t.rank) for t in outputs],
+        ops.initializers,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model, full_check=True)
+    session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, feed)
+
+
+@pytest.mark.parametrize("step", [0, 3, 6, 9])
+@pytest.mark.parametrize("min_length", [0, 5])
+def test_the_policy_rules_as_onnx_nodes_compute_what_numpy_computes(step, min_length):
+    rng = np.random.default_rng(step + 10 * min_length)
+    sentences, beam, vocab = 5, 3, 11
+    logits = rng.normal(size=(sentences, beam, vocab)).astype(np.float32)
+    log_probs = logits - np.log(np.sum(np.exp(logits), axis=-1, keepdims=True))
+    limits = np.array([4, 7, 10, 1, 20], np.int32)
+    never, is_eos = np.isin(np.arange(vocab), [0, 2]), np.arange(vocab) == 3
+    alive = rng.normal(size=(sentences, beam)).astype(np.float32) - 3
+    finished = np.sort(rng.normal(size=(sentences, beam)).astype(np.float32) - 2, axis=1)[:, ::-1]
+    alpha = np.float32(0.6)
+
+    ops = OnnxOps("t/")
+    names = {"log_probs": (np.float32, 3), "step": (np.int32, 0), "limits": (np.int32, 1),
+             "min_length": (np.int32, 0), "alive": (np.float32, 2), "finished": (np.float32, 2),
+             "alpha": (np.float32, 0)}  # fmt: skip
+    t = {name: Tensor(ops, name, dtype, rank) for name, (dtype, rank) in names.items()}
+    constrained = policy.constrain(
+        t["log_probs"], t["step"], t["limits"], never, is_eos, t["min_length"], ops
+    )
+    limits_float = ops.cast(t["limits"], np.float32)
+    final = policy.search_is_final(
+        ops.cast(t["step"], np.float32), limits_float, t["alive"], t["finished"], t["alpha"], ops
+    )
+    bounded = policy.output_limits(t["limits"], 16, ops, 3)
+    feed = {"log_probs": log_probs, "step": np.array(step, np.int32), "limits": limits,
+            "min_length": np.array(min_length, np.int32), "alive": alive, "finished": finished,
+            "alpha": np.array(alpha)}  # fmt: skip
+    got = _run(ops, names, [constrained, final, bounded], feed)
+
+    want = [
+        policy.constrain(log_probs, step, limits, never, is_eos, min_length, np),
+        policy.search_is_final(np.float32(step), np.float32(limits), alive, finished, alpha, np),
+        policy.output_limits(limits, 16, np, 3),
+    ]
+    for ours, theirs in zip(got, want):
+        np.testing.assert_array_equal(ours, theirs)
+    assert not np.all(got[0] == log_probs)  # the rules did something
+
+
+def test_constant_operands_are_folded_with_numpy():
+    ops = OnnxOps("t/")
+    never, is_eos, limits = np.array([True, False, False]), np.array([False, False, True]), np.array([3, 9])
+    caps = policy.output_caps(np.int32(2), limits.astype(np.int32), never, is_eos, 0, 2, np.float32, ops)
+    assert isinstance(caps, np.ndarray) and not ops.nodes and not ops.initializers
+    np.testing.assert_array_equal(caps, policy.output_caps(2, limits, never, is_eos, 0, 2, np.float32, np))
+
+
+@pytest.fixture(scope="module")
+def onnx_dir(exported):
+    return str(exported[1])
+
+
+@pytest.fixture(scope="module")
+def batch(onnx_dir, synthetic_files):
+    """48 source sentences of every length in one padded batch (they finish at different steps, so
+    the search goes through several stages), and one without content."""
+    lines = synthetic_files[0].read_text(encoding="utf-8").splitlines()
+    chosen = sorted(lines[:400], key=len)[::8][:48] + [" "]
+    return OnnxTranslator(onnx_dir, "full").encode(chosen)
+
+
+@pytest.mark.parametrize("options", [{}, dict(num_return=4), dict(length_penalty=1.1, max_extra_length=7)])
+def test_lean_graph_gives_translate_onnx_hypotheses_on_a_batch_with_stages(onnx_dir, batch, options):
+    request = DecodingOptions(**options)
+    full = FullGraphSearch(onnx_dir).search(batch, request)
+    lean = LeanGraphSearch(onnx_dir).search(batch, request)
+    np.testing.assert_array_equal(lean.ids, full.ids)
+    np.testing.assert_allclose(lean.scores, full.scores, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(lean.log_probs, full.log_probs, rtol=1e-5, atol=1e-5)
+    assert lean.ids.shape[1] == request.num_return
+    assert np.all(lean.ids[-1, :, 0] == 3) and np.all(lean.scores[-1] == 0)  # the empty source: EOS alone
+
+
+def test_requests_with_a_control_are_searched_by_translate_onnx(onnx_dir, batch, monkeypatch):
+    plain = LeanGraphSearch.plain
+    assert plain(DecodingOptions(num_return=2, min_length=3, length_penalty=1.0, max_extra_length=5))
+    for changes in (dict(disable_unk=True), dict(no_repeat_ngram_size=2), dict(repetition_penalty=1.2),
+                    dict(sampling_topk=5), dict(return_alignments=True)):  # fmt: skip
+        assert not plain(DecodingOptions(**changes)), changes
+    assert not plain(DecodingOptions(), target_prefix=[[], [5, 6]])
+    assert plain(DecodingOptions(), target_prefix=[[], []], suppress_sequences=[])
+    assert not plain(DecodingOptions(), suppress_sequences=[[7]])
+
+    search = LeanGraphSearch(onnx_dir)
+    calls = []
+    monkeypatch.setattr(search.full, "search", lambda *a, **k: calls.append(a) or "full")
+    assert search.search(batch[:2], DecodingOptions(no_repeat_ngram_size=2)) == "full"
+    assert search.search(batch[:2], DecodingOptions()) != "full" and len(calls) == 1
+
+
+def test_fewer_nodes_per_step_than_translate_onnx(onnx_dir, import_script):
+    main_body = import_script("count_loop_nodes").main_body
+    lean = step_body(onnx.load(os.path.join(onnx_dir, "translate_lean.onnx")))
+    decoder = onnx.load(os.path.join(onnx_dir, "decoder_step.onnx")).graph
+    full = main_body(onnx.load(os.path.join(onnx_dir, "translate.onnx")))
+    search_nodes = len(lean.node) - len(decoder.node)
+    assert search_nodes <= 70, search_nodes  # the search's own nodes per step
+    assert len(lean.node) < len(full.node) - 100, (len(lean.node), len(full.node))
+
+
+def test_the_graph_is_rebuilt_identically_from_an_export_directory(onnx_dir, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(onnx_dir, copy)
+    os.remove(copy / "translate_lean.onnx")
+    write_lean_graph(str(copy))
+    rebuilt = (copy / "translate_lean.onnx").read_bytes()
+    assert rebuilt == Path(onnx_dir, "translate_lean.onnx").read_bytes()
+    make_session(str(copy / "translate_lean.onnx"))  # ONNX Runtime loads it
+
+
+def test_an_export_without_the_lean_graph_says_what_to_do(onnx_dir, tmp_path):
+    copy = tmp_path / "old"
+    shutil.copytree(onnx_dir, copy)
+    os.remove(copy / "translate_lean.onnx")
+    with pytest.raises(FileNotFoundError, match="export the model again, or use mode='full'"):
+        OnnxTranslator(str(copy), "lean")
