@@ -411,9 +411,7 @@ def lean_translate_graph(encoder, decoder_step, config, decoding, blank):
     state["results"] = state["finished"]
     state["result_scores"] = state["finished_scores"]
     state["result_log_probs"] = state["finished_log_probs"]
-    searching = main.less(
-        main.node("ReduceMin", [main.cast(empty, np.int32)], np.int32, 0, keepdims=0), np.int32(1)
-    )
+    searching = main.less(main.reduce("ReduceMin", main.cast(empty, np.int32)), np.int32(1))
 
     # The stages: the sentences still searched form the batch; their steps run until at most
     # STAGE_FRACTION of them are left.
