@@ -21,7 +21,7 @@ whole beam search as one ONNX `Loop`; `encoder.onnx` + `decoder_step.onnx`
 are for runtimes that dislike `Loop`, driven by `export.onnx_beam_search`.
 `translate_lean.onnx` is the beam search of requests without controls written as ONNX
 nodes around `encoder.onnx` and `decoder_step.onnx` (`keras_transformer_export.lean_search`:
-the same tokens, ~60 nodes of search per step instead of ~200, faster at batch 1).
+the same tokens, ~65 nodes of search per step instead of ~200, faster at batch 1).
 
 Every converted graph is then rewritten by `keras_transformer_export.graph_rewrites.simplify`
 (the same arithmetic, fewer nodes): the decoder weights that tf2onnx threads

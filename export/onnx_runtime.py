@@ -436,7 +436,7 @@ LEAN_OPTIONS = {"length_penalty": np.float32, "max_extra_length": np.int32, "min
 
 class LeanGraphSearch:
     """`translate_lean.onnx` (`keras_transformer_export.lean_search`): the beam search of a request
-    without controls as ~60 ONNX nodes a step (`translate.onnx` has ~200), the same tokens. A
+    without controls as ~65 ONNX nodes a step (`translate.onnx` has ~200), the same tokens. A
     request that switches a control on (target prefix, banned words or sequences, `disable_unk`,
     n-gram or repetition limits), samples or asks for alignments is searched by `translate.onnx`
     (`FullGraphSearch`, loaded beside it)."""

@@ -3,7 +3,7 @@
 `check_parity` translates the same sentences with the Keras model
 (`keras_transformer.Translator`), the reloaded SavedModel's
 `serving_default`, and ONNX Runtime (`translate.onnx`, the
-`encoder.onnx` + `decoder_step.onnx` pair, and `translate_text.onnx` in a
+`encoder.onnx` + `decoder_step.onnx` pair, `translate_lean.onnx`, and `translate_text.onnx` in a
 separate process without TensorFlow: see `keras_transformer_export.onnx_runtime.make_session`),
 and compares `forward.onnx`'s logits with Keras's.
 """
@@ -46,7 +46,7 @@ def check_parity(
         outputs["saved_model"] = [t.decode("utf-8") for t in texts]
     report = {"sentences": len(sentences), "runtimes": {}}
     if onnx_dir is not None:
-        for mode in ("full", "split"):
+        for mode in ("full", "split", "lean"):
             outputs[f"onnx_{mode}"] = OnnxTranslator(onnx_dir, mode).translate(sentences)[0]
         outputs["onnx_text"] = translate_in_subprocess(onnx_dir, sentences, "text")
         report["max_logit_difference"] = max_logit_difference(

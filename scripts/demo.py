@@ -15,7 +15,7 @@ then draws one sentence's attention and exports the run:
     keras-transformer export    --model runs/demo --format onnx --out runs/demo/onnx --overwrite
 
 and translates 100 test sentences with Keras, the reloaded SavedModel and
-ONNX Runtime (full graph, encoder/decoder-step pair, text graph) to check
+ONNX Runtime (full graph, encoder/decoder-step pair, lean graph, text graph) to check
 that they agree (`keras_transformer_export.parity`). It fails (exit 1) unless the test-split
 BLEU reaches 90 (the synthetic task is learnable, so a lower score is a bug)
 and every runtime gives Keras's translations. `make demo` runs it from the

@@ -358,7 +358,7 @@ def test_onnx_graphs_are_valid_with_dynamic_axes(exported):
     import onnx
 
     onnx_dir = exported[1]
-    for stem in ("forward", "translate", "encoder", "decoder_step", "translate_text"):
+    for stem in ("forward", "translate", "encoder", "decoder_step", "translate_text", "translate_lean"):
         model = onnx.load(str(onnx_dir / f"{stem}.onnx"))
         onnx.checker.check_model(model, full_check=True)
         assert max(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")) >= 17
@@ -375,6 +375,7 @@ def test_onnx_graphs_are_valid_with_dynamic_axes(exported):
         "decoder_step",
         "align",
         "translate_text",
+        "translate_lean",
     }
 
 

@@ -89,7 +89,7 @@ def test_runtime_env_has_no_tensorflow_and_translates_as_the_full_install(
     onnx_dir = str(exported[1])
     commands = [
         ["keras_transformer_export.onnx_runtime", onnx_dir, "--mode", mode]
-        for mode in ("full", "split", "text")
+        for mode in ("full", "split", "text", "lean")
     ]
     commands.append(["keras_transformer_export.ctranslate2", str(ctranslate2_export)])
     for command in commands:
