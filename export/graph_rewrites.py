@@ -345,6 +345,32 @@ def all_graphs(graph):
             yield from all_graphs(subgraph)
 
 
+def prefixed_graph(graph, prefix, outer):
+    """A copy of `graph` with every name it defines, in it and in its subgraphs (node outputs,
+    initializers, inputs, outputs), prefixed, and its inputs renamed as `outer` maps them
+    (`onnx.compose.add_prefix` leaves a subgraph's reads of outer initializers unprefixed). Every
+    node gets a name of its own: tf2onnx leaves some unnamed, and ONNX Runtime refuses a graph
+    with two nodes of one name (`prefix` alone would be one)."""
+    copy = onnx.GraphProto()
+    copy.CopyFrom(graph)
+    graphs = list(all_graphs(copy))
+    defined = {name for g in graphs for node in g.node for name in node.output if name}
+    defined |= {init.name for g in graphs for init in g.initializer}
+    defined |= {value.name for g in graphs for value in [*g.input, *g.output]}
+    names = {name: prefix + name for name in defined}
+    names.update(outer)
+    for g in graphs:
+        for index, node in enumerate(g.node):
+            node.input[:] = [names.get(n, n) for n in node.input]
+            node.output[:] = [names.get(n, n) for n in node.output]
+            node.name = prefix + (node.name or f"{node.op_type}_{index}")
+        for value in [*g.input, *g.output, *g.value_info]:
+            value.name = names.get(value.name, value.name)
+        for init in g.initializer:
+            init.name = names.get(init.name, init.name)
+    return copy
+
+
 def collapse_tensordots(model):
     """`model` (changed in place and returned) with its tensordot chains collapsed (module docstring, 2)."""
     constants = _initializers(model)

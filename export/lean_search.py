@@ -43,6 +43,7 @@ import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
 from keras_transformer.decoding import policy
+from keras_transformer_export.graph_rewrites import prefixed_graph
 from keras_transformer_export.onnx_runtime import LEAN_GRAPH
 from keras_transformer_export.onnx_runtime import LEAN_OPTIONS as OPTION_INPUTS
 
@@ -65,6 +66,16 @@ _ONNX_TYPES = {
 NUMPY_ARITHMETIC = {"Add": np.add, "Sub": np.subtract, "Mul": np.multiply, "Div": np.divide, "Pow": np.power}
 
 
+def _arithmetic(op_type, reverse=False):
+    """`Tensor`'s operator method for `op_type` (`reverse`: the tensor is the right operand)."""
+
+    def method(self, other):
+        a, b = (other, self) if reverse else (self, other)
+        return _innermost(a, b)._arith(op_type, a, b)
+
+    return method
+
+
 class Tensor:
     """A value of the graph being built: its name, NumPy dtype and rank (what the policy's
     rules read of an array: `shape`'s length, `dtype`, arithmetic, `[:, i]`)."""
@@ -76,36 +87,13 @@ class Tensor:
     def shape(self):
         return (None,) * self.rank
 
-    def _binary(self, op_type, other, reverse=False):
-        a, b = (other, self) if reverse else (self, other)
-        return _innermost(a, b)._arith(op_type, a, b)
-
-    def __add__(self, other):
-        return self._binary("Add", other)
-
-    def __radd__(self, other):
-        return self._binary("Add", other, True)
-
-    def __sub__(self, other):
-        return self._binary("Sub", other)
-
-    def __rsub__(self, other):
-        return self._binary("Sub", other, True)
-
-    def __mul__(self, other):
-        return self._binary("Mul", other)
-
-    def __rmul__(self, other):
-        return self._binary("Mul", other, True)
-
-    def __truediv__(self, other):
-        return self._binary("Div", other)
-
-    def __rtruediv__(self, other):
-        return self._binary("Div", other, True)
-
-    def __pow__(self, other):
-        return self._binary("Pow", other)
+    # Arithmetic with tensors and numbers (the ONNX node of NUMPY_ARITHMETIC's key), the node in the
+    # innermost graph among the operands.
+    __add__, __radd__ = _arithmetic("Add"), _arithmetic("Add", reverse=True)
+    __sub__, __rsub__ = _arithmetic("Sub"), _arithmetic("Sub", reverse=True)
+    __mul__, __rmul__ = _arithmetic("Mul"), _arithmetic("Mul", reverse=True)
+    __truediv__, __rtruediv__ = _arithmetic("Div"), _arithmetic("Div", reverse=True)
+    __pow__ = _arithmetic("Pow")
 
     def __getitem__(self, index):
         """`x[:, i]` (full slices, then one integer): a `Gather` on that axis."""
@@ -288,16 +276,6 @@ class OnnxOps:
         return self.node("Clip", [x, low, high], x.dtype, x.rank)
 
 
-def _uniquely_named(nodes, prefix):
-    """`nodes` with a name each: tf2onnx leaves some unnamed, and prefixed they would clash."""
-    seen = set()
-    for index, node in enumerate(nodes):
-        if node.name in seen or node.name == prefix:
-            node.name = f"{prefix}{node.op_type}_{index}"
-        seen.add(node.name)
-    return nodes
-
-
 def _value(name, dtype, shape=None):
     return helper.make_tensor_value_info(name, _ONNX_TYPES[np.dtype(dtype)], shape)
 
@@ -344,8 +322,6 @@ def lean_translate_graph(encoder, decoder_step, config, decoding, blank):
     """`translate_lean.onnx` (module docstring) from the exported `encoder` and `decoder_step`
     ONNX models, the model's `config` and the export's `decoding` options (`export.json`'s), and
     `blank` `(vocab,)` bool (`policy.blank_ids`)."""
-    from keras_transformer_export.onnx import _prefixed  # the graph-renaming helper of the export
-
     beam, vocab = decoding["beam_size"], config["target_vocab_size"] or config["vocab_size"]
     pad, bos, eos = config["pad_id"], config["bos_id"], config["eos_id"]
     layers = config["num_decoder_layers"] or config["num_layers"]
@@ -360,8 +336,8 @@ def lean_translate_graph(encoder, decoder_step, config, decoding, blank):
     alpha, min_length = options["length_penalty"], options["min_length"]
 
     # The encoder, once.
-    encoder_graph = _prefixed(encoder.graph, "enc/", {"source_ids": "source_ids"})
-    main.nodes.extend(_uniquely_named(encoder_graph.node, "enc/"))
+    encoder_graph = prefixed_graph(encoder.graph, "enc/", {"source_ids": "source_ids"})
+    main.nodes.extend(encoder_graph.node)
     main.initializers.extend(encoder_graph.initializer)
     encoded = {v.name: Tensor(main, f"enc/{v.name}", np.float32, 4) for v in encoder.graph.output}
     encoded["memory_mask"] = Tensor(main, "enc/memory_mask", np.bool_, 3)
@@ -450,8 +426,8 @@ def lean_translate_graph(encoder, decoder_step, config, decoding, blank):
     decoder_inputs = {"token_ids": carried["last"].name, "memory_mask": now["memory_mask"].name}
     decoder_inputs.update({name: carried[name].name for name in caches})
     decoder_inputs.update({name: now[name].name for name in crosses})
-    decoder_graph = _prefixed(decoder_step.graph, "dec/", decoder_inputs)
-    body.nodes.extend(_uniquely_named(decoder_graph.node, "dec/"))
+    decoder_graph = prefixed_graph(decoder_step.graph, "dec/", decoder_inputs)
+    body.nodes.extend(decoder_graph.node)
     body.initializers.extend(decoder_graph.initializer)
     log_probs = body.reshape(Tensor(body, "dec/log_probs", np.float32, 2), (-1, beam, vocab))
     ids = np.arange(vocab)

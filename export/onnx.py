@@ -55,7 +55,12 @@ from onnx import TensorProto, compose, helper, numpy_helper
 
 from keras_transformer.utils import keras_compat
 from keras_transformer_export.fused_kernels import KERNELS, count_fused, fuse_for_onnx_runtime
-from keras_transformer_export.graph_rewrites import all_graphs, reshape_zeros_as_tensorflow, simplify
+from keras_transformer_export.graph_rewrites import (
+    all_graphs,
+    prefixed_graph,
+    reshape_zeros_as_tensorflow,
+    simplify,
+)
 from keras_transformer_export.graphs import TranslationGraphs
 from keras_transformer_export.layout import atomic_directory
 from keras_transformer_export.lean_search import lean_translate_graph
@@ -271,7 +276,7 @@ def translate_graph(graphs):
     from keras_transformer.decoding.request import SEARCHES
 
     plan = convert(graphs, "request_plan")
-    plan.graph.CopyFrom(_prefixed(plan.graph, "plan/", {name: name for name in _input_names(plan)}))
+    plan.graph.CopyFrom(prefixed_graph(plan.graph, "plan/", {name: name for name in _input_names(plan)}))
     planned = {name: f"plan/planned_{name}" if name in PLANNED else name for name in _input_names(plan)}
     searches = {  # each simplified alone, its Loop at the top of its graph (as the rewrites expect)
         search: _branch(
@@ -356,7 +361,7 @@ def _branch(model, prefix, inputs, outputs=None):
     enclosing graph as `inputs` maps them (`{input name: outer name}`), no inputs of its own,
     its outputs in the order of `outputs` (names before the prefix; an `If` pairs them by
     position, and tf2onnx sorts a function's outputs by name)."""
-    graph = _prefixed(model.graph, prefix, inputs)
+    graph = prefixed_graph(model.graph, prefix, inputs)
     del graph.input[:]
     if outputs is not None:
         by_name = {value.name: value for value in graph.output}
@@ -364,30 +369,6 @@ def _branch(model, prefix, inputs, outputs=None):
         del graph.output[:]
         graph.output.extend(ordered)
     return graph
-
-
-def _prefixed(graph, prefix, outer):
-    """A copy of `graph` with every name it defines, in it and in its subgraphs (node outputs,
-    initializers, inputs, outputs), prefixed, and its inputs renamed as `outer` maps them
-    (`onnx.compose.add_prefix` leaves a subgraph's reads of outer initializers unprefixed)."""
-    copy = onnx.GraphProto()
-    copy.CopyFrom(graph)
-    graphs = list(all_graphs(copy))
-    defined = {name for g in graphs for node in g.node for name in node.output if name}
-    defined |= {init.name for g in graphs for init in g.initializer}
-    defined |= {value.name for g in graphs for value in [*g.input, *g.output]}
-    names = {name: prefix + name for name in defined}
-    names.update(outer)
-    for g in graphs:
-        for node in g.node:
-            node.input[:] = [names.get(n, n) for n in node.input]
-            node.output[:] = [names.get(n, n) for n in node.output]
-            node.name = prefix + node.name
-        for value in [*g.input, *g.output, *g.value_info]:
-            value.name = names.get(value.name, value.name)
-        for init in g.initializer:
-            init.name = names.get(init.name, init.name)
-    return copy
 
 
 def _output_like(graph, name, new_name=None):

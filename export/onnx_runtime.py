@@ -71,7 +71,8 @@ def read_metadata(export_dir):
 
 
 def make_session(path, threads=None):
-    """An `onnxruntime.InferenceSession` for `path`, with onnxruntime-extensions when it needs them.
+    """An `onnxruntime.InferenceSession` for `path` (or an `onnx.ModelProto`), with
+    onnxruntime-extensions when it needs them.
 
     Note: in a process that has imported TensorFlow, creating a session that
     uses the extensions' SentencePiece ops crashed (SIGSEGV) with
@@ -86,8 +87,11 @@ def make_session(path, threads=None):
     options.log_severity_level = 3
     if threads:
         options.intra_op_num_threads = threads
-    with open(path, "rb") as handle:
-        model_bytes = handle.read()
+    if hasattr(path, "SerializeToString"):  # an `onnx.ModelProto` built in memory
+        model_bytes = path.SerializeToString()
+    else:
+        with open(path, "rb") as handle:
+            model_bytes = handle.read()
     if b"ai.onnx.contrib" in model_bytes:
         import onnxruntime_extensions
 
@@ -432,6 +436,7 @@ class FullGraphSearch:
 # its option inputs (defaults: the export's options) with their dtypes.
 LEAN_GRAPH = "translate_lean"
 LEAN_OPTIONS = {"length_penalty": np.float32, "max_extra_length": np.int32, "min_length": np.int32}
+CONTROLS_OFF = DecodingOptions()  # every option at its default: each control off
 
 
 class LeanGraphSearch:
@@ -464,7 +469,7 @@ class LeanGraphSearch:
         """Whether a request is one `translate_lean.onnx` searches: every control off, no sampling,
         no alignments (its length penalty, output limit, minimum length and `num_return` may be
         any)."""
-        off = DecodingOptions()
+        off = CONTROLS_OFF
         return (
             not options.sampling
             and all(

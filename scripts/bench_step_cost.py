@@ -125,20 +125,23 @@ def main():
         for name in ("translate", "translate_lean", "encoder")
     }
     loop_model, past, outer = decoder_loop(args.export_dir)
-    sessions["decoder alone"] = make_session_from(loop_model, args.threads)
+    sessions["decoder alone"] = make_session(loop_model, args.threads)
 
     def run_search(name):
         for source_ids in sources:
             sessions[name].run(["nbest_ids"], {"source_ids": source_ids})
 
     def run_decoder():
-        # The encoder for every sentence first, then the decoder loops: two sessions called in
-        # turn would slow each other (the idle one's threads spin), which one graph does not pay.
+        """Its seconds: the encoder for every sentence first, then the decoder loops (two sessions
+        called in turn would slow each other, their idle threads spinning; one graph does not pay
+        that), with a pause between the two that is not timed."""
         encoder = sessions["encoder"]
         names = [o.name for o in encoder.get_outputs()]
+        tick = time.perf_counter()
         encoded = [dict(zip(names, encoder.run(None, {"source_ids": s}))) for s in sources]
-        time.sleep(0.5)  # not timed: the encoder's threads stop spinning
-        pause[0] = 0.5
+        took = time.perf_counter() - tick
+        time.sleep(0.5)  # the encoder's threads stop spinning
+        tick = time.perf_counter()
         for outputs, count in zip(encoded, steps):
             feed = {
                 "steps": np.array(count, np.int64),
@@ -148,8 +151,8 @@ def main():
                 **{name: outputs[name] for name in outer},
             }
             sessions["decoder alone"].run(["last"], feed)
+        return took + time.perf_counter() - tick
 
-    pause = [0.0]  # seconds of the row's run that were pauses, not its work
     rows = {
         "translate.onnx": lambda: run_search("translate"),
         "translate_lean.onnx": lambda: run_search("translate_lean"),
@@ -164,10 +167,9 @@ def main():
     for _ in range(args.rounds):
         for name, run in rows.items():
             time.sleep(0.5)  # the previous session's idle threads stop spinning
-            pause[0] = 0.0
             tick = time.perf_counter()
-            took = run()  # a worker process's own time, or None
-            seconds[name].append(took if took is not None else time.perf_counter() - tick - pause[0])
+            took = run()  # the seconds it timed itself (a worker process, two phases), or None
+            seconds[name].append(took if took is not None else time.perf_counter() - tick)
     per_step = sum(steps) / len(steps)
     table, report_rows = [], {}
     for name, values in seconds.items():
@@ -232,17 +234,6 @@ def _ct2_worker(ct2_dir, threads, pieces, beam, alpha):
         return ours.recv()
 
     return run
-
-
-def make_session_from(model, threads):
-    import onnxruntime
-
-    options = onnxruntime.SessionOptions()
-    options.log_severity_level = 3
-    options.intra_op_num_threads = threads
-    return onnxruntime.InferenceSession(
-        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
-    )
 
 
 if __name__ == "__main__":
