@@ -109,21 +109,38 @@ def test_import_does_not_import_tensorflow_on_other_backends():
     assert result.returncode == 0, result.stderr[-2000:]
 
 
-@pytest.mark.parametrize("keras_first", [True, False], ids=["keras-first", "keras_transformer-first"])
-def test_keras_load_model_reads_our_files_whatever_the_import_order(keras_first, tmp_path):
+IMPORT_ORDERS = {
+    "keras-first": "import keras\nimport keras_transformer\n",
+    "keras_transformer-first": (
+        "import sys\nimport keras_transformer\nassert 'keras' not in sys.modules\nimport keras\n"
+    ),
+    # A layer module first: it imports Keras itself, half-imported (this warned "could not
+    # register its layers" and left them unregistered until `layers/__init__` loads Keras first).
+    "a-layer-module-first": (
+        "from keras_transformer.layers.positional_encoding import sinusoidal_table\nimport keras\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("order", sorted(IMPORT_ORDERS))
+def test_keras_load_model_reads_our_files_whatever_the_import_order(order, tmp_path):
     """The package root imports nothing heavy, yet `keras.saving.load_model` finds our classes
-    (`keras_transformer>Transformer`) once Keras loads, imported before or after us."""
+    (`keras_transformer>Transformer`) once Keras loads, imported before or after us, without a
+    warning."""
     import keras_transformer as kt
 
     path = tmp_path / "tiny.keras"
     kt.Transformer.from_preset("tiny", vocab_size=40).save(path)
-    imports = "import keras\nimport keras_transformer\n"
-    if not keras_first:
-        imports = "import sys\nimport keras_transformer\nassert 'keras' not in sys.modules\nimport keras\n"
-    code = imports + f"model = keras.saving.load_model({str(path)!r})\nprint(type(model).__name__)\n"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    code = (
+        IMPORT_ORDERS[order]
+        + f"model = keras.saving.load_model({str(path)!r})\nprint(type(model).__name__)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-W", "error::UserWarning", "-c", code], capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["Transformer"]
+    assert "could not register" not in result.stderr
 
 
 def test_missing_tensorflow_is_one_line(monkeypatch):

@@ -3,6 +3,12 @@
 Shape legend: batch, len_q / len_k (query / key positions), d_model.
 """
 
+# Keras first: loading it registers our serializable classes (`keras_transformer.utils.lazy`),
+# which imports these modules; were Keras first imported by one of them, half-imported, that
+# registration would fail (a `from keras_transformer.layers.X import ...` as a process's
+# first import warned "could not register its layers" and left them unregistered).
+import keras  # noqa: F401  (isort: skip)
+
 from keras_transformer.layers.attention import masked_softmax, scaled_dot_product_attention
 from keras_transformer.layers.decoder import Decoder, DecoderLayer
 from keras_transformer.layers.decoding_cache import DecodingCache, LayerCache
