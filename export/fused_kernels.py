@@ -17,8 +17,9 @@ of sampling):
    Matched only with the scale `1/sqrt(depth)` (the op's default).
 2. **Cross-attention over the encoder's keys/values** -> one `MultiHeadAttention` with the
    cached `(sentences, heads, source, depth)` keys and values as 4-D inputs, the beams of a
-   sentence as its query length, and the source mask as `key_padding_mask` (int32, computed
-   once per step and shared by the layers): replaces the scaling, transposes, `MatMul`s, the
+   sentence as its query length (the `(sentences, -1, width)` shape read from the source mask)
+   and the source mask as `key_padding_mask` (int32; both computed once per step and shared
+   by the layers): replaces the scaling, transposes, `MatMul`s, the
    two mask `Where`s and `Softmax`. A masked position gets the op's additive -10000 instead
    of the portable graph's fill of -3e38: both are exactly 0 after the softmax for logits
    below ~9,900 in size.
@@ -103,6 +104,7 @@ class _Fuser:
         self.producers = {name: node for node in graph.node for name in node.output}
         self.consumers = _consumers(graph)
         self.masks = {}  # bool source mask -> its int32 key_padding_mask, per graph
+        self.query_shapes = {}  # (bool source mask, width) -> `query_shape`, per graph
         attentions = [getattr(self, name) for name in FUSIONS[:2] if name in self.fusions]
         for node in list(graph.node):
             if node.op_type == "Softmax":
@@ -242,10 +244,10 @@ class _Fuser:
             or _attribute(merged_t, "perm") != [0, 2, 1, 3]
         ):
             return None
-        width = self.shape_constant(merged)
-        if width is None or len(width) != 3 or width[:2] != [-1, 1]:
+        merged_shape = self.shape_constant(merged)  # (rows, 1, width), or (rows, width) in a step
+        if merged_shape is None or merged_shape[:-1] not in ([-1, 1], [-1]):  # `step_rewrites` wrote
             return None
-        width = width[2]
+        width = merged_shape[-1]
         keys, values = keys_t.input[0], context.input[1]
         scaled = self.made_by(query_t.input[0], "Mul")
         folded = self.made_by(scaled and scaled.input[0], "Reshape")
@@ -264,16 +266,14 @@ class _Fuser:
         if axes is None or axes.tolist() != [1]:
             return None  # the mask (sentences, 1, 1, source) from (sentences, 1, source)
         name, project = softmax.name, folded.input[0]
-        sentences, rows3, rows1 = (f"{name}/sentences", f"{name}/query_shape", f"{name}/query")
-        fused_context = f"{name}/context"
-        minus_one = self.new_constant("fused/minus_one", np.array([-1], np.int64))
-        width_constant = self.new_constant(f"fused/width_{width}", np.array([width], np.int64))
-        rows_shape = self.new_constant(f"fused/rows_shape_{width}", np.array([-1, 1, width], np.int64))
+        rows1, fused_context = f"{name}/query", f"{name}/context"
+        rows_shape = self.new_constant(
+            f"fused/rows_shape_{'_'.join(map(str, merged_shape[1:]))}", np.array(merged_shape, np.int64)
+        )
         nodes = []
         padding = self.key_padding_mask(unsqueeze.input[0], nodes)
+        rows3 = self.query_shape(unsqueeze.input[0], width, nodes)
         nodes += [
-            helper.make_node("Shape", [keys], [sentences], name=f"{name}/fused_sentences", start=0, end=1),
-            helper.make_node("Concat", [sentences, minus_one, width_constant], [rows3], axis=0),
             helper.make_node("Reshape", [project, rows3], [rows1], name=f"{name}/fused_fold_beams"),
             helper.make_node(
                 "MultiHeadAttention",
@@ -324,6 +324,23 @@ class _Fuser:
             ]
             self.masks[mask] = cast
         return self.masks[mask]
+
+    def query_shape(self, mask, width, nodes):
+        """`(sentences, -1, width)`: the shape that folds the beams of each sentence into the
+        query length, `sentences` read from the `(sentences, 1, source)` `mask` (appended to
+        `nodes` the first time a graph needs it: the layers share it, as they share the mask)."""
+        if (mask, width) not in self.query_shapes:
+            sentences, shape = f"{mask}/fused_sentences", f"{mask}/fused_query_shape_{width}"
+            minus_one = self.new_constant("fused/minus_one", np.array([-1], np.int64))
+            width_constant = self.new_constant(f"fused/width_{width}", np.array([width], np.int64))
+            nodes += [
+                helper.make_node("Shape", [mask], [sentences], name=sentences, start=0, end=1),
+                helper.make_node(
+                    "Concat", [sentences, minus_one, width_constant], [shape], name=shape, axis=0
+                ),
+            ]
+            self.query_shapes[mask, width] = shape
+        return self.query_shapes[mask, width]
 
     # -- 3. residual + bias + LayerNorm ------------------------------------------------------
     def skip_layer_norm(self, norm):

@@ -28,7 +28,10 @@ Every converted graph is then rewritten by `keras_transformer_export.graph_rewri
 through the `Loop` state are read from the enclosing graph with their
 per-step reshapes done once, and each `tensordot` chain (8 nodes) becomes one
 `MatMul` (the `mini` model's loop body: 1,555 → 1,258 nodes; ~25% faster at
-batch 1).
+batch 1). `decoder_step.onnx` (so `translate_lean.onnx`'s step too) is then rewritten by
+`keras_transformer_export.step_rewrites.leaner_step` with what is known of one step (the
+position is the cache length, the new positions a matrix), kept only where ONNX Runtime gives
+bitwise the same outputs; `export.json`'s `step_rewrites` says which were kept.
 
 `export_onnx(..., quantization="int8", gate=...)` writes the same files with
 int8 matrix products (`keras_transformer_export.quantization`), refused if the gate measures a
@@ -65,6 +68,7 @@ from keras_transformer_export.graphs import TranslationGraphs
 from keras_transformer_export.layout import atomic_directory
 from keras_transformer_export.lean_search import lean_translate_graph
 from keras_transformer_export.onnx_runtime import LEAN_GRAPH
+from keras_transformer_export.step_rewrites import leaner_step
 
 OPSET = 17
 CONTRIB_DOMAIN = "ai.onnx.contrib"
@@ -117,6 +121,7 @@ def export_onnx(
             for model in models.values():
                 fuse_for_onnx_runtime(model)
             extra["fused_kernels"] = count_fused(models["translate"])
+        models["decoder_step"], extra["step_rewrites"] = leaner_step(models["decoder_step"])
         models[TEXT_GRAPH] = text_graph(graphs, models["translate"])
         models[LEAN_GRAPH] = lean_translate_graph(
             models["encoder"], models["decoder_step"], graphs.config.to_dict(),

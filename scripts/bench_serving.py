@@ -235,7 +235,7 @@ def ct2_best(results, quantization, key):
 def fused_copy(onnx_dir, out):
     """`onnx_dir` copied to `out` with `translate.onnx`, `encoder.onnx` and `decoder_step.onnx`
     rewritten as `export --onnx-kernels fused` rewrites them (`fuse_for_onnx_runtime`, the
-    function the export applies to every graph) and `translate_lean.onnx` built again from the
+    function the export applies to every graph, then `leaner_step` on the step) and `translate_lean.onnx` built again from the
     fused step graphs: the same fused graphs as a second export, without converting the model
     again."""
     import shutil
@@ -244,11 +244,13 @@ def fused_copy(onnx_dir, out):
 
     from keras_transformer_export.fused_kernels import fuse_for_onnx_runtime
     from keras_transformer_export.lean_search import write_lean_graph
+    from keras_transformer_export.step_rewrites import leaner_step
 
     shutil.copytree(onnx_dir, out)
     for stem in ("translate", "encoder", "decoder_step"):
         path = os.path.join(out, f"{stem}.onnx")
-        onnx.save(fuse_for_onnx_runtime(onnx.load(path)), path)
+        model = fuse_for_onnx_runtime(onnx.load(path))
+        onnx.save(leaner_step(model)[0] if stem == "decoder_step" else model, path)
     write_lean_graph(out)
     return out
 

@@ -5,7 +5,9 @@ graph's `Loop` body (the default request's beam search; the searches with per-re
 are `Loop`s inside `If` branches, listed in the JSON) as stored and after ONNX Runtime's own
 optimizer (`ORT_ENABLE_ALL`, the session default), with the body's most frequent node
 types, and the step `Loop` body of `translate_lean.onnx` (with how many of its nodes are the
-search's, not `decoder_step.onnx`'s); for each SavedModel version directory given, the nodes of
+search's, not `decoder_step.onnx`'s) and `decoder_step.onnx` itself, both also after the
+optimizer (which fuses what `keras_transformer_export.step_rewrites` prepared: a projection's
+`MatMul` + bias `Add` into a `Gemm`); for each SavedModel version directory given, the nodes of
 the `while` body of its `translate_ids` function (all, and without `Const`). Every graph runs
 these nodes once per decoding step.
 
@@ -14,6 +16,7 @@ these nodes once per decoding step.
 """
 
 import collections
+import json
 import os
 import tempfile
 
@@ -42,10 +45,8 @@ def main_body(model):
     return next(attribute.g for attribute in loop.attribute if attribute.name == "body")
 
 
-def onnx_counts(export_dir):
-    path = os.path.join(export_dir, "translate.onnx")
-    model = onnx.load(path)
-    stored = main_body(model)
+def optimized(path):
+    """The model at `path` as ONNX Runtime runs it: after its own optimizer (`ORT_ENABLE_ALL`)."""
     with tempfile.TemporaryDirectory() as directory:
         optimized_path = os.path.join(directory, "optimized.onnx")
         options = onnxruntime.SessionOptions()
@@ -53,17 +54,29 @@ def onnx_counts(export_dir):
         options.optimized_model_filepath = optimized_path
         options.log_severity_level = 3
         onnxruntime.InferenceSession(path, options, providers=["CPUExecutionProvider"])
-        optimized_model = onnx.load(optimized_path)
-        optimized = main_body(optimized_model)
+        return onnx.load(optimized_path)
+
+
+def _metadata(export_dir):
+    with open(os.path.join(export_dir, "export.json"), encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+def onnx_counts(export_dir):
+    path = os.path.join(export_dir, "translate.onnx")
+    model = onnx.load(path)
+    stored = main_body(model)
+    optimized_model = optimized(path)
+    optimized_body = main_body(optimized_model)
     return dict(
         path=path,
         loop_body_nodes=len(stored.node),
-        after_onnx_runtime_optimizer=len(optimized.node),
+        after_onnx_runtime_optimizer=len(optimized_body.node),
         every_loop_body=[len(body.node) for body in _loop_bodies(model.graph)],
         every_loop_body_after_optimizer=[len(body.node) for body in _loop_bodies(optimized_model.graph)],
         node_types=dict(collections.Counter(node.op_type for node in stored.node).most_common(12)),
         node_types_after_optimizer=dict(
-            collections.Counter(node.op_type for node in optimized.node).most_common(12)
+            collections.Counter(node.op_type for node in optimized_body.node).most_common(12)
         ),
     )
 
@@ -109,10 +122,22 @@ def main():
             from keras_transformer_export.lean_search import step_body
 
             step = len(step_body(onnx.load(lean_path)).node)
-            decoder = len(onnx.load(os.path.join(export_dir, "decoder_step.onnx")).graph.node)
-            found.update(lean_step_body_nodes=step, decoder_step_nodes=decoder)
+            step_optimized = len(step_body(optimized(lean_path)).node)
+            decoder_path = os.path.join(export_dir, "decoder_step.onnx")
+            decoder = len(onnx.load(decoder_path).graph.node)
+            decoder_optimized = len(optimized(decoder_path).graph.node)
+            found.update(
+                lean_step_body_nodes=step,
+                lean_step_body_after_optimizer=step_optimized,
+                decoder_step_nodes=decoder,
+                decoder_step_after_optimizer=decoder_optimized,
+                step_rewrites=_metadata(export_dir).get("step_rewrites"),
+            )
             rows.append([export_dir, "translate_lean.onnx step Loop body", step])
+            rows.append([export_dir, "  after ONNX Runtime's optimizer", step_optimized])
             rows.append([export_dir, "  of which the search (not decoder_step.onnx's)", step - decoder])
+            rows.append([export_dir, "decoder_step.onnx", decoder])
+            rows.append([export_dir, "  after ONNX Runtime's optimizer", decoder_optimized])
     if args.saved_model:
         harness.tensorflow()
     for version_dir in args.saved_model:

@@ -171,10 +171,12 @@ def test_int8_embedding_is_stored_once_with_a_scale_per_row():
 
 # `keras_transformer_export.onnx.convert` (tf2onnx) is tested by tests/test_export.py; here it returns
 # the graphs that test's float32 export wrote, so that these tests pay for quantization and the gate only.
+# Not `decoder_step`: the export writes it after `step_rewrites.leaner_step`, which the exports
+# here apply themselves after quantizing and fusing (a step quantized after its rewrite is not what
+# any export writes), so it is converted again.
 CONVERTED = {
     "forward": "forward",
     "encode": "encoder",
-    "decoder_step": "decoder_step",
     "align": "align",
 }
 

@@ -1,0 +1,431 @@
+"""Rewrites of `decoder_step.onnx` that use what is known about one decoding step: fewer kernels
+per step, the same bits.
+
+The step is converted by tf2onnx from `Transformer.decode_step`, which Keras writes for any
+number of new positions: `(rows, 1, d_model)` tensors, and the positional encoding as a slice
+`table[t : t + 1]` whose bounds are computed from the cache's shape. In a step that decodes one
+position per row, three things are known that the converted graph does not use:
+
+1. **The position is the cache length** (`positions_by_gather`): the slice's ~8 kernels
+   (Shape -> Cast -> Slice -> Concat -> Add -> Slice -> Unsqueeze -> Slice, what ONNX Runtime
+   leaves after folding its constants) become `Gather(table, Shape(past_key_0)[2:3])`, a
+   `(1, d_model)` row of the same table.
+2. **The new positions are a matrix** (`rows_as_matrices`): the `(rows, 1, width)` tensors
+   become `(rows, width)` (the token ids are gathered without their `Unsqueeze`, a reshape to
+   `(-1, 1, width)` reshapes to `(-1, width)`, the last position's `Slice` + `Squeeze` before
+   the output projection go). ONNX Runtime then fuses each projection's `MatMul` + bias `Add`
+   (+ `Relu`) into one `Gemm` / `FusedGemm`, which it only does for matrices: the same sums
+   (ONNX Runtime's SGEMM adds the bias to a finished dot product as long as the inner dimension
+   is at most 256, measured: from 512 on, a `Gemm` sums in two blocks and differs in the last
+   bit, and `verified` below then keeps the step as it was).
+3. **A scaled query reshaped twice** (`collapse_scaled_reshapes`): `Reshape(Mul(Reshape(x, a),
+   c), b)` with a scalar `c` becomes `Reshape(Mul(x, c), b)`.
+
+`leaner_step(model)` applies the three and keeps the result only if `verified`: ONNX Runtime
+runs the step before and after on random inputs of two cache lengths and every output is
+bitwise the same; otherwise (a graph the rewrites do not know, or a kernel that sums in another
+order) the step stays as converted. On the 3+3 `mini` model (fused kernels) the step runs 108
+kernels before and ~80 after (`scripts/count_loop_nodes.py`).
+"""
+
+import copy
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from keras_transformer.layers.positional_encoding import sinusoidal_table
+from keras_transformer_export.graph_rewrites import _attribute, _consumers, _drop_dead_nodes, _uses
+
+# Ops that read a `(rows, ..., width)` tensor along its last axis only, or element by element:
+# they take a `(rows, width)` matrix as well and give one (`rows_as_matrices`).
+ROW_WISE = frozenset({"Relu", "Cast", "Identity", "DynamicQuantizeLinear"})
+ELEMENTWISE = frozenset({"Add", "Mul", "Sub", "Div"})
+LAST_AXIS = frozenset({"Softmax", "LogSoftmax", "LayerNormalization", "Split"})
+# Ops whose first input is the rows and whose other inputs are constants (weights, biases, scales).
+PROJECTIONS = frozenset({"MatMul", "MatMulInteger", "SkipLayerNormalization"})
+# What tf2onnx computes a slice's bounds with (`_positional_table`).
+SHAPE_ARITHMETIC = frozenset(
+    {"Cast", "Slice", "Concat", "Add", "Sub", "Mul", "Equal", "Unsqueeze", "Squeeze", "Gather", "Reshape"}
+    | {"Constant"}
+)
+# `Shape(past_key_0)`'s axis that holds the number of positions decoded so far.
+CACHE_LENGTH_AXIS = 2
+
+
+def leaner_step(model):
+    """`(model, report)`: `decoder_step.onnx`'s `model` with the module docstring's rewrites (a
+    new model; `model` is not changed). All three if the result is `verified`, else the first
+    two if that is, else `model` itself; `report` is `{rewrite: applied}`, empty if none was
+    kept."""
+    for rewrites in (REWRITES, REWRITES[:2]):
+        rewritten = copy.deepcopy(model)
+        applied = {}
+        for rewrite in rewrites:
+            if rewrite is rows_as_matrices and not applied.get("positions_by_gather"):
+                continue  # a (1, 1, d_model) position would broadcast matrices back to rank 3
+            applied[rewrite.__name__] = int(rewrite(rewritten))
+        if not any(applied.values()):
+            return model, {}
+        _drop_dead_nodes(rewritten.graph)
+        _drop_unread_initializers(rewritten.graph)
+        del rewritten.graph.value_info[:]  # ranks changed; ONNX Runtime infers the shapes again
+        if verified(model, rewritten):
+            return rewritten, {name: count for name, count in applied.items() if count}
+    return model, {}
+
+
+# -- 1. the position ------------------------------------------------------------------------------
+
+
+def positions_by_gather(model):
+    """Replaces the positional table's slice by a `Gather` of its row at the cache length (module
+    docstring, 1); returns how many were replaced (0 or 1)."""
+    graph = model.graph
+    constants = {init.name: init for init in graph.initializer}
+    producers = {name: node for node in graph.node for name in node.output}
+    inputs = {value.name for value in graph.input}
+    if "past_key_0" not in inputs:
+        return 0
+    for add in graph.node:
+        if add.op_type != "Add":
+            continue
+        for side, name in enumerate(add.input):
+            made = producers.get(name)
+            if made is not None and made.op_type == "Gather" and made.name.endswith("/by_gather"):
+                return 0  # rewritten already
+            table = _positional_table(name, producers, constants, inputs)
+            if table is None:
+                continue
+            length = f"{name}/cache_length"
+            row = f"{name}/by_gather"
+            index = list(graph.node).index(add)
+            graph.node.insert(
+                index,
+                helper.make_node(
+                    "Shape", ["past_key_0"], [length], name=length,
+                    start=CACHE_LENGTH_AXIS, end=CACHE_LENGTH_AXIS + 1,
+                ),
+            )  # fmt: skip
+            graph.node.insert(index + 1, helper.make_node("Gather", [table, length], [row], name=row, axis=0))
+            add.input[side] = row
+            return 1
+    return 0
+
+
+def _positional_table(name, producers, constants, inputs):
+    """The name of the §3.5 table if `name` is computed from that table (a constant equal to
+    `sinusoidal_table`), other constants and the shapes of the graph's inputs alone; else None."""
+    tables, seen, stack = set(), set(), [name]
+    while stack:
+        value = stack.pop()
+        if value in seen or value == "":
+            continue
+        seen.add(value)
+        if value in constants:
+            array = numpy_helper.to_array(constants[value])
+            if array.ndim == 2 and array.shape[0] > 1 and array.dtype == np.float32:
+                if np.array_equal(array, sinusoidal_table(*array.shape)):
+                    tables.add(value)
+                else:
+                    return None  # a weight: not the position alone
+            continue
+        node = producers.get(value)
+        if node is None:
+            return None  # an input read other than through its shape
+        if node.op_type == "Shape":
+            if node.input[0] not in inputs:
+                return None
+            continue
+        if node.op_type not in SHAPE_ARITHMETIC:
+            return None
+        stack.extend(node.input)
+    return next(iter(tables)) if len(tables) == 1 else None
+
+
+# -- 2. rows as matrices --------------------------------------------------------------------------
+
+
+def rows_as_matrices(model):
+    """Makes the step's `(rows, 1, width)` tensors `(rows, width)` (module docstring, 2); returns
+    whether it did. All or nothing: a reader it does not know leaves the graph unchanged."""
+    graph = model.graph
+    work = copy.deepcopy(graph)
+    if not _rows_as_matrices(work):
+        return False
+    graph.CopyFrom(work)
+    return True
+
+
+def _rows_as_matrices(graph):
+    """`rows_as_matrices` on `graph` (changed in place; when it returns False `graph` may be
+    half-changed, and the caller throws it away)."""
+    constants = {init.name: init for init in graph.initializer}
+    consumers = _consumers(graph)
+    producers = {name: node for node in graph.node for name in node.output}
+    outputs = {value.name for value in graph.output}
+
+    def constant(name):
+        return numpy_helper.to_array(constants[name]) if name in constants else None
+
+    # Sources: the token ids gathered without their `Unsqueeze`; reshapes to (-1, 1, width).
+    unsqueeze = next((n for n in graph.node if n.op_type == "Unsqueeze" and n.input[0] == "token_ids"), None)
+    if unsqueeze is None or _axes(unsqueeze, constant) != [1]:
+        return False
+    sources = []
+    for gather in consumers.get(unsqueeze.output[0], []):
+        if (
+            gather.op_type != "Gather"
+            or gather.input[1] != unsqueeze.output[0]
+            or _attribute(gather, "axis", 0)
+        ):
+            return False
+        gather.input[1] = "token_ids"
+        sources.append(gather.output[0])
+    graph.node.remove(unsqueeze)
+    for node in graph.node:
+        if node.op_type == "Reshape" and _row_shape(constant(node.input[1])):
+            node.input[1] = _new_constant(graph, constants, constant(node.input[1])[[0, 2]])
+            sources.append(node.output[0])
+
+    # Phase 1: every tensor computed row by row from the sources.
+    rows, pending = set(sources), list(sources)
+    while pending:
+        for node in consumers.get(pending.pop(), []):
+            if node.op_type in ROW_WISE | ELEMENTWISE | LAST_AXIS | PROJECTIONS:
+                first_only = node.op_type in ("DynamicQuantizeLinear", "SkipLayerNormalization")
+                for name in node.output[:1] if first_only else node.output:
+                    if name not in rows:
+                        rows.add(name)
+                        pending.append(name)
+            elif node.op_type not in ("Reshape", "Slice", "Gemm"):
+                return False  # a reader this rewrite does not know
+    if rows & outputs:
+        return False
+
+    # Phase 2: each reader of rows checked (and its constants reshaped) with all rows known.
+    readers = [node for node in graph.node if any(name in rows for name in node.input)]
+    return all(
+        _reads_rows(node, rows, constant, graph, constants, consumers, producers, outputs) for node in readers
+    )
+
+
+def _reads_rows(node, rows, constant, graph, constants, consumers, producers, outputs):
+    """Whether `node`, a reader of rows, computes the same from `(rows, width)` matrices; adjusts
+    a `(1, 1, width)` constant operand to `(1, width)` and removes a last position's
+    `Slice` + `Squeeze` (their readers read the rows themselves)."""
+    op, inputs = node.op_type, list(node.input)
+
+    def constants_only(names):
+        return all(name in constants for name in names if name)
+
+    if op in ROW_WISE:
+        return True
+    if op in LAST_AXIS:
+        axis = _attribute(node, "axis", 0 if op == "Split" else -1)
+        return axis == -1 and constants_only(inputs[1:])
+    if op == "MatMul":
+        return inputs[0] in rows and inputs[1] in constants and constant(inputs[1]).ndim == 2
+    if op == "MatMulInteger":  # (rows, weight, the rows' zero point, the weight's)
+        weights = inputs[1:2] + inputs[3:]
+        return inputs[0] in rows and constants_only(weights) and _is_scalar(inputs[2], producers, constant)
+    if op == "SkipLayerNormalization":
+        return (
+            inputs[0] in rows
+            and inputs[1] in rows
+            and constants_only(inputs[2:])
+            and not any(node.output[1:])
+        )
+    if op in ELEMENTWISE:
+        for index, other in enumerate(inputs):
+            value = constant(other)
+            if (
+                other in rows
+                or (value is not None and value.ndim <= 1)
+                or _is_scalar(other, producers, constant)
+            ):
+                continue
+            if value is not None and value.ndim == 3 and value.shape[:2] == (1, 1):
+                node.input[index] = _new_constant(graph, constants, value[0])
+                continue
+            made = producers.get(other)
+            if made is None or not made.name.endswith("/by_gather"):  # the (1, d_model) position
+                return False
+        return True
+    if op == "Reshape":  # its target alone sets the output's shape, unless it copies a dimension
+        return _sets_shape(inputs[1], producers, constant)
+    if op == "Slice":
+        return _drop_last_position(node, constant, graph, consumers, outputs)
+    return op == "Gemm" and inputs[0] in rows
+
+
+def _sets_shape(target, producers, constant):
+    """Whether the reshape target `target` has no 0 (a dimension copied from the input) that
+    could mean another thing for a matrix: a constant without zeros, or a `Concat` of such
+    constants and dimensions of other tensors (`Shape`: a 0 there is an empty batch, the same
+    either way)."""
+    value = constant(target)
+    if value is not None:
+        return not (value == 0).any()
+    node = producers.get(target)
+    if node is None or node.op_type != "Concat":
+        return False
+    return all(
+        (constant(part) is not None and not (constant(part) == 0).any())
+        or (producers.get(part) is not None and producers[part].op_type == "Shape")
+        for part in node.input
+    )
+
+
+def _drop_last_position(node, constant, graph, consumers, outputs):
+    """`x[:, -1:]` or `x[:, 0:1]` of rows `(rows, 1, width)` followed by `Squeeze(axis 1)`: the
+    rows themselves."""
+    readers = consumers.get(node.output[0], [])
+    if len(node.input) != 4 or len(readers) != 1 or readers[0].op_type != "Squeeze":
+        return False
+    squeeze = readers[0]
+    starts, ends, axes = (constant(name) for name in node.input[1:4])
+    if starts is None or ends is None or axes is None or _axes(squeeze, constant) != [1]:
+        return False
+    bounds = dict(zip(axes.tolist(), zip(starts.tolist(), ends.tolist())))
+    if set(bounds) != {0, 1} or bounds[0][0] != 0 or bounds[0][1] < 2**31 - 1:
+        return False
+    if bounds[1] != (0, 1) and not (bounds[1][0] == -1 and bounds[1][1] >= 2**31 - 1):
+        return False
+    if squeeze.output[0] in outputs:
+        return False
+    for reader in consumers.get(squeeze.output[0], []):
+        reader.input[:] = [node.input[0] if value == squeeze.output[0] else value for value in reader.input]
+    graph.node.remove(node)
+    graph.node.remove(squeeze)
+    return True
+
+
+def _is_scalar(name, producers, constant):
+    """Whether `name` is a scalar computed at run time: `DynamicQuantizeLinear`'s scale or zero
+    point, or a product of such scalars and scalar constants (an int8 product's scale)."""
+    node = producers.get(name)
+    if node is None:
+        return False
+    if node.op_type == "DynamicQuantizeLinear":
+        return name in node.output[1:]
+    if node.op_type in ("Mul", "Cast"):
+        return all(
+            _is_scalar(value, producers, constant)
+            or (constant(value) is not None and constant(value).ndim == 0)
+            for value in node.input
+        )
+    return False
+
+
+def _axes(node, constant):
+    if len(node.input) > 1:
+        axes = constant(node.input[1])
+        return None if axes is None else axes.tolist()
+    return _attribute(node, "axes")
+
+
+def _row_shape(shape):
+    """Whether a reshape target is `(-1, 1, width)`."""
+    return shape is not None and shape.ndim == 1 and len(shape) == 3 and shape[0] == -1 and shape[1] == 1
+
+
+def _new_constant(graph, constants, array):
+    name = f"step_rewrites/constant_{len(constants)}"
+    while name in constants:
+        name += "_"
+    graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+    constants[name] = graph.initializer[-1]
+    return name
+
+
+# -- 3. a scaled query reshaped twice --------------------------------------------------------------
+
+
+def collapse_scaled_reshapes(model):
+    """`Reshape(Mul(Reshape(x, a), c), b)` -> `Reshape(Mul(x, c), b)` for a scalar constant `c`
+    and a target `b` without zeros (module docstring, 3); returns how many."""
+    graph = model.graph
+    constants = {init.name: numpy_helper.to_array(init) for init in graph.initializer}
+    producers = {name: node for node in graph.node for name in node.output}
+    uses = _uses(graph)
+    collapsed = 0
+    for outer in graph.node:
+        if (
+            outer.op_type != "Reshape"
+            or outer.input[1] not in constants
+            or (constants[outer.input[1]] == 0).any()
+        ):
+            continue
+        mul = producers.get(outer.input[0])
+        if mul is None or mul.op_type != "Mul" or uses.get(mul.output[0]) != 1:
+            continue
+        sides = [i for i, value in enumerate(mul.input) if value in constants and constants[value].size == 1]
+        if len(sides) != 1:
+            continue
+        inner = producers.get(mul.input[1 - sides[0]])
+        if inner is None or inner.op_type != "Reshape" or uses.get(inner.output[0]) != 1:
+            continue
+        if np.ndim(constants[mul.input[sides[0]]]) > 0:
+            continue  # a (1,)-shaped factor would keep a rank the outer reshape does not read
+        mul.input[1 - sides[0]] = inner.input[0]
+        collapsed += 1
+    return collapsed
+
+
+# -- checks ---------------------------------------------------------------------------------------
+
+
+def _drop_unread_initializers(graph):
+    read = {name for node in graph.node for name in node.input}
+    keep = [init for init in graph.initializer if init.name in read]
+    del graph.initializer[:]
+    graph.initializer.extend(keep)
+
+
+def verified(before, after, seed=0):
+    """Whether ONNX Runtime gives bitwise the same outputs for the steps `before` and `after` on
+    random inputs (3 rows, cache lengths 0 and 5, 7 source positions)."""
+    from keras_transformer_export.onnx_runtime import make_session
+
+    try:
+        onnx.checker.check_model(after)
+        sessions = [make_session(model, 1) for model in (before, after)]
+    except Exception:  # noqa: BLE001 - a graph ONNX Runtime refuses is simply not kept
+        return False
+    rng = np.random.default_rng(seed)
+    for cache_length in (0, 5):
+        feeds = _random_feeds(before.graph, rng, rows=3, cache_length=cache_length, source_length=7)
+        results = [session.run(None, feeds) for session in sessions]
+        if any(not np.array_equal(a, b) for a, b in zip(*results)):
+            return False
+    return True
+
+
+def _random_feeds(graph, rng, rows, cache_length, source_length):
+    vocab = next(
+        (
+            d.dim_value
+            for value in graph.output
+            if value.name == "log_probs"
+            for d in value.type.tensor_type.shape.dim[1:]
+        ),
+        100,
+    )
+    feeds = {}
+    for value in graph.input:
+        dims = [d.dim_value for d in value.type.tensor_type.shape.dim]
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type)
+        if value.name == "token_ids":
+            feeds[value.name] = rng.integers(4, vocab, rows).astype(dtype)
+        elif value.name == "memory_mask":
+            mask = rng.random((rows, 1, source_length)) < 0.8
+            mask[:, :, 0] = True
+            feeds[value.name] = mask.astype(dtype)
+        else:  # past_*: (rows, heads, t, depth); cross_*: (rows, heads, source, depth)
+            length = cache_length if value.name.startswith("past_") else source_length
+            feeds[value.name] = rng.standard_normal((rows, dims[1], length, dims[3])).astype(dtype)
+    return feeds
+
+
+REWRITES = (positions_by_gather, collapse_scaled_reshapes, rows_as_matrices)
