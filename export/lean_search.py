@@ -40,7 +40,7 @@ that ask for one of them to `translate.onnx`.
 """
 
 import numpy as np
-from onnx import TensorProto, helper, numpy_helper
+from onnx import AttributeProto, TensorProto, helper, numpy_helper
 
 from keras_transformer.decoding import policy
 from keras_transformer_export.graph_rewrites import prefixed_graph
@@ -299,6 +299,36 @@ def _loop(ops, name, trips, condition, carried, body, outputs_hint):
     return {n: Tensor(ops, r, carried[n].dtype, carried[n].rank) for n, r in zip(names, results)}
 
 
+def _hoist_invariants(graph, outer, ops):
+    """`graph`'s nodes less those that read only `outer` values (the stage's, the same at every
+    step), constants and each other: those are appended to `ops` (the enclosing graph, before
+    its `Loop`) with the constants they read (moved, or copied under another name where a node
+    left in `graph` reads them too). In the fused step: the source mask's int32 form and the
+    cross-attentions' query shape, computed once per stage instead of once per step."""
+    constants = {init.name: init for init in graph.initializer}
+    invariant, hoisted, kept = set(outer), [], []
+    for node in graph.node:
+        reads = [name for name in node.input if name]
+        subgraphs = any(a.type in (AttributeProto.GRAPH, AttributeProto.GRAPHS) for a in node.attribute)
+        if reads and not subgraphs and all(name in invariant or name in constants for name in reads):
+            hoisted.append(node)
+            invariant.update(node.output)
+        else:
+            kept.append(node)
+    still_read = {name for node in kept for name in node.input}
+    moved = {}
+    for name in dict.fromkeys(name for node in hoisted for name in node.input if name in constants):
+        moved[name] = f"{name}/stage" if name in still_read else name
+        ops.initializers.append(numpy_helper.from_array(numpy_helper.to_array(constants[name]), moved[name]))
+    for node in hoisted:
+        node.input[:] = [moved.get(name, name) for name in node.input]
+        ops.nodes.append(node)
+    left = [init for init in graph.initializer if init.name in still_read]
+    del graph.initializer[:]
+    graph.initializer.extend(left)
+    return kept
+
+
 def _body(prefix, depth, carried):
     """An `OnnxOps` for a `Loop` body with inputs for the iteration, the condition and one per
     value of `carried` `{name: Tensor}` (`body.carried`)."""
@@ -427,7 +457,8 @@ def lean_translate_graph(encoder, decoder_step, config, decoding, blank):
     decoder_inputs.update({name: carried[name].name for name in caches})
     decoder_inputs.update({name: now[name].name for name in crosses})
     decoder_graph = prefixed_graph(decoder_step.graph, "dec/", decoder_inputs)
-    body.nodes.extend(decoder_graph.node)
+    stage_values = {now["memory_mask"].name, *(now[name].name for name in crosses)}
+    body.nodes.extend(_hoist_invariants(decoder_graph, stage_values, stage))
     body.initializers.extend(decoder_graph.initializer)
     log_probs = body.reshape(Tensor(body, "dec/log_probs", np.float32, 2), (-1, beam, vocab))
     ids = np.arange(vocab)
