@@ -359,11 +359,15 @@ def prefixed_graph(graph, prefix, outer):
     defined |= {value.name for g in graphs for value in [*g.input, *g.output]}
     names = {name: prefix + name for name in defined}
     names.update(outer)
+    taken = {node.name for g in graphs for node in g.node if node.name}
     for g in graphs:
         for index, node in enumerate(g.node):
             node.input[:] = [names.get(n, n) for n in node.input]
             node.output[:] = [names.get(n, n) for n in node.output]
-            node.name = prefix + (node.name or f"{node.op_type}_{index}")
+            if not node.name:  # one not taken by a named node (tf2onnx's names look the same)
+                node.name = _unique(f"{node.op_type}_{index}", taken)
+                taken.add(node.name)
+            node.name = prefix + node.name
         for value in [*g.input, *g.output, *g.value_info]:
             value.name = names.get(value.name, value.name)
         for init in g.initializer:

@@ -11,8 +11,9 @@ kernels, AMD EPYC) `decoder_step.onnx` alone in a `Loop` with an `ArgMax` took 0
 What it is (the search of `keras_transformer.decoding.search._BeamSearch`, the same tokens):
 - the encoder's nodes once; then a `Loop` over stages, each a `Loop` over decoding steps whose
   body is `decoder_step.onnx`'s nodes (its weights as the body's own initializers: read from the
-  main graph through the stages' `Loop` instead, batch 1 was ~20% slower on the `mini` model),
-  `policy.constrain`, the top `beam` of `beam * vocab` candidates (ONNX `TopK`: ties go to the
+  main graph through the stages' `Loop` instead, batch 1 was ~20% slower on the `mini` model;
+  its nodes that read only the stage's source mask and cross-attention keys/values run once per
+  stage, before the steps' `Loop`: `_hoist_invariants`), `policy.constrain`, the top `beam` of `beam * vocab` candidates (ONNX `TopK`: ties go to the
   lower index, as `top_k`), the pool of finished hypotheses (the best `beam` by
   `log P / length_penalty`), `policy.search_is_final`, and one `Gather` per cache tensor to
   reorder the beams;

@@ -40,7 +40,7 @@ def test_leaner_step_gives_bitwise_the_same_outputs_with_fewer_nodes(converted_s
     """The tiny preset (2 decoder layers, d_model 64, d_ff 128: every product's inner dimension
     within the 256 where ONNX Runtime's `Gemm` sums as `MatMul` + `Add`): all three rewrites
     are kept, and the step gives bitwise the outputs of the converted one on inputs other than
-    `verified`'s own (another seed, 5 and 1 rows, cache lengths 1 and 9)."""
+    `verified`'s own (another seed; 5 sentences of 1 beam, 1 of 4, 2 of 3; cache lengths 1 and 9)."""
     before = converted_steps[kernels]
     original = copy.deepcopy(before)
     after, applied = leaner_step(before)
@@ -51,8 +51,8 @@ def test_leaner_step_gives_bitwise_the_same_outputs_with_fewer_nodes(converted_s
     assert not any(node.op_type == "Unsqueeze" and node.input[0] == "token_ids" for node in after.graph.node)
     assert ops.count("Slice") == 0  # the position's slices and the last position's
     rng = np.random.default_rng(7)
-    for rows, cache_length in ((5, 1), (1, 9), (5, 9)):
-        feeds = step_rewrites._random_feeds(before.graph, rng, rows, cache_length, source_length=4)
+    for sentences, beam, cache_length in ((5, 1, 1), (1, 4, 9), (2, 3, 9)):
+        feeds = step_rewrites.random_feeds(before.graph, rng, sentences, beam, cache_length, source_length=4)
         for a, b in zip(_outputs(before, feeds), _outputs(after, feeds)):
             np.testing.assert_array_equal(a, b)
     # Applied again, nothing is left to do.
