@@ -13,8 +13,8 @@ What it is (the search of `keras_transformer.decoding.search._BeamSearch`, the s
   body is `decoder_step.onnx`'s nodes (its weights as the body's own initializers: read from the
   main graph through the stages' `Loop` instead, batch 1 was ~20% slower on the `mini` model;
   its nodes that read only the stage's source mask and cross-attention keys/values run once per
-  stage, before the steps' `Loop`: `_hoist_invariants`), `policy.constrain`, the top `beam` of `beam * vocab` candidates (ONNX `TopK`: ties go to the
-  lower index, as `top_k`), the pool of finished hypotheses (the best `beam` by
+  stage, before the steps' `Loop`: `_hoist_invariants`), `policy.constrain`, the top `beam` of
+  `beam * vocab` candidates (ONNX `TopK`: ties go to the lower index, as `top_k`), the pool of finished hypotheses (the best `beam` by
   `log P / length_penalty`), `policy.search_is_final`, and one `Gather` per cache tensor to
   reorder the beams;
 - the policy's rules (`output_limits`, `constrain`, `length_penalty`, `search_is_final`,

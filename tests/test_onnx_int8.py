@@ -627,7 +627,7 @@ def test_fused_graphs_translate_as_the_portable_ones(fused_export, converted, sy
     from keras_transformer_export.parity import translate_in_subprocess
 
     sentences = synthetic_files[0].read_text(encoding="utf-8").splitlines()[-24:]
-    for mode in ("full", "split"):
+    for mode in ("full", "split", "lean"):
         fused = OnnxTranslator(str(fused_export), mode).translate(sentences)
         portable = OnnxTranslator(str(converted), mode).translate(sentences)
         assert fused[0] == portable[0], mode
@@ -660,7 +660,7 @@ def test_fused_int8_export_is_gated_fused_and_translates_as_the_portable_int8(
     # against 0.27. So: most the same, their scores within 1e-3, and BLEU within the gate's drop.
     sentences = synthetic_files[0].read_text(encoding="utf-8").splitlines()[-20:]
     references = synthetic_files[1].read_text(encoding="utf-8").splitlines()[-20:]
-    for mode in ("full", "split"):
+    for mode in ("full", "split", "lean"):
         fused, portable = (
             [translator.translate([s]) for s in sentences]
             for translator in (OnnxTranslator(str(directory), mode) for directory in (out, int8_export))
