@@ -14,9 +14,9 @@ What it is (the search of `keras_transformer.decoding.search._BeamSearch`, the s
   main graph through the stages' `Loop` instead, batch 1 was ~20% slower on the `mini` model;
   its nodes that read only the stage's source mask and cross-attention keys/values run once per
   stage, before the steps' `Loop`: `_hoist_invariants`), `policy.constrain`, the top `beam` of
-  `beam * vocab` candidates (ONNX `TopK`: ties go to the lower index, as `top_k`), the pool of finished hypotheses (the best `beam` by
-  `log P / length_penalty`), `policy.search_is_final`, and one `Gather` per cache tensor to
-  reorder the beams;
+  `beam * vocab` candidates (ONNX `TopK`: ties go to the lower index, as `top_k`), the pool
+  of finished hypotheses (the best `beam` by `log P / length_penalty`),
+  `policy.search_is_final`, and one `Gather` per cache tensor to reorder the beams;
 - the policy's rules (`output_limits`, `constrain`, `length_penalty`, `search_is_final`,
   `empty_sources`) are the functions of `keras_transformer.decoding.policy` themselves, called
   with `OnnxOps` as their array namespace `xp`: each call emits the nodes, in the innermost
