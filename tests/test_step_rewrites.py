@@ -13,8 +13,6 @@ from keras_transformer_export import step_rewrites
 from keras_transformer_export.onnx_runtime import make_session
 from keras_transformer_export.step_rewrites import leaner_step, positions_by_gather, verified
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
-
 
 @pytest.fixture(scope="module")
 def converted_steps(trained_run):
@@ -37,7 +35,7 @@ def _outputs(model, feeds):
 
 @pytest.mark.parametrize("kernels", ["portable", "fused"])
 def test_leaner_step_gives_bitwise_the_same_outputs_with_fewer_nodes(converted_steps, kernels):
-    """The tiny preset (2 decoder layers, d_model 64, d_ff 128: every product's inner dimension
+    """The tiny preset (2 decoder layers, d_model 64, d_ff 256: every product's inner dimension
     within the 256 where ONNX Runtime's `Gemm` sums as `MatMul` + `Add`): all three rewrites
     are kept, and the step gives bitwise the outputs of the converted one on inputs other than
     `verified`'s own (another seed; 5 sentences of 1 beam, 1 of 4, 2 of 3; cache lengths 1 and 9)."""
