@@ -36,7 +36,13 @@ import onnx
 from onnx import helper, numpy_helper
 
 from keras_transformer.layers.positional_encoding import sinusoidal_table
-from keras_transformer_export.graph_rewrites import _attribute, _consumers, _drop_dead_nodes, _uses
+from keras_transformer_export.graph_rewrites import (
+    _attribute,
+    _consumers,
+    _drop_dead_nodes,
+    _drop_unused_initializers,
+    _uses,
+)
 
 # Ops that read a `(rows, ..., width)` tensor element by element (or, `DynamicQuantizeLinear`,
 # its range as a whole): they take a `(rows, width)` matrix as well and give one.
@@ -50,6 +56,9 @@ SHAPE_ARITHMETIC = frozenset(
     {"Cast", "Slice", "Concat", "Add", "Sub", "Mul", "Equal", "Unsqueeze", "Squeeze", "Gather", "Reshape"}
     | {"Constant"}
 )
+# The name suffix of the position's `Gather` (`positions_by_gather`), which `rows_as_matrices`
+# lets a matrix be added to: a `(1, d_model)` row.
+POSITION = "/by_gather"
 # `Shape(past_key_0)`'s axis that holds the number of positions decoded so far.
 CACHE_LENGTH_AXIS = 2
 
@@ -69,7 +78,7 @@ def leaner_step(model):
         if not any(applied.values()):
             return model, {}
         _drop_dead_nodes(rewritten.graph)
-        _drop_unread_initializers(rewritten.graph)
+        _drop_unused_initializers(rewritten.graph)
         del rewritten.graph.value_info[:]  # ranks changed; ONNX Runtime infers the shapes again
         if verified(model, rewritten):
             return rewritten, {name: count for name, count in applied.items() if count}
@@ -93,13 +102,13 @@ def positions_by_gather(model):
             continue
         for side, name in enumerate(add.input):
             made = producers.get(name)
-            if made is not None and made.op_type == "Gather" and made.name.endswith("/by_gather"):
+            if made is not None and made.op_type == "Gather" and made.name.endswith(POSITION):
                 return 0  # rewritten already
             table = _positional_table(name, producers, constants, inputs)
             if table is None:
                 continue
             length = f"{name}/cache_length"
-            row = f"{name}/by_gather"
+            row = f"{name}{POSITION}"
             index = list(graph.node).index(add)
             graph.node.insert(
                 index,
@@ -250,7 +259,7 @@ def _reads_rows(node, rows, constant, graph, constants, consumers, producers, ou
                 node.input[index] = _new_constant(graph, constants, value[0])
                 continue
             made = producers.get(other)
-            if made is None or not made.name.endswith("/by_gather"):  # the (1, d_model) position
+            if made is None or not made.name.endswith(POSITION):  # the (1, d_model) position
                 return False
         return True
     if op == "Reshape":  # its target alone sets the output's shape, unless it copies a dimension
@@ -361,27 +370,19 @@ def collapse_scaled_reshapes(model):
         mul = producers.get(outer.input[0])
         if mul is None or mul.op_type != "Mul" or uses.get(mul.output[0]) != 1:
             continue
-        sides = [i for i, value in enumerate(mul.input) if value in constants and constants[value].size == 1]
+        # A scalar factor only: a (1,)-shaped one would broadcast to a rank of its own.
+        sides = [i for i, value in enumerate(mul.input) if value in constants and constants[value].ndim == 0]
         if len(sides) != 1:
             continue
         inner = producers.get(mul.input[1 - sides[0]])
         if inner is None or inner.op_type != "Reshape" or uses.get(inner.output[0]) != 1:
             continue
-        if np.ndim(constants[mul.input[sides[0]]]) > 0:
-            continue  # a (1,)-shaped factor would keep a rank the outer reshape does not read
         mul.input[1 - sides[0]] = inner.input[0]
         collapsed += 1
     return collapsed
 
 
 # -- checks ---------------------------------------------------------------------------------------
-
-
-def _drop_unread_initializers(graph):
-    read = {name for node in graph.node for name in node.input}
-    keep = [init for init in graph.initializer if init.name in read]
-    del graph.initializer[:]
-    graph.initializer.extend(keep)
 
 
 def verified(before, after, seed=0):
