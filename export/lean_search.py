@@ -290,8 +290,10 @@ def _loop(ops, name, trips, condition, carried, body, outputs_hint):
     graph = helper.make_graph(
         body.nodes,
         name.replace("/", "_"),
-        [_value(v.name, v.dtype, [] if v.rank == 0 else None) for v in inputs],
-        [_value(v.name, v.dtype, [] if v.rank == 0 else None) for v in outputs_hint],
+        # Each value's rank (its sizes unknown): ONNX Runtime's fusions (MatMul + Add into Gemm)
+        # need to know the ranks of a body's values.
+        [_value(v.name, v.dtype, [None] * v.rank) for v in inputs],
+        [_value(v.name, v.dtype, [None] * v.rank) for v in outputs_hint],
         body.initializers,
     )
     results = [ops.fresh(f"{name}_{n}") for n in names]
@@ -464,7 +466,10 @@ def lean_translate_graph(encoder, decoder_step, config, decoding, blank):
     log_probs = body.reshape(Tensor(body, "dec/log_probs", np.float32, 2), (-1, beam, vocab))
     ids = np.arange(vocab)
     never = np.isin(ids, [config[name] for name in policy.NEVER_OUTPUT])
-    log_probs = policy.constrain(log_probs, step, stage_limits, never, ids == eos, min_length, body)
+    # policy.constrain: each sentence's row of the caps' table, one `Gather` (policy.output_cap_rows).
+    cap_rows = body.const(policy.output_cap_rows(never, ids == eos, 3, np.float32))
+    caps = body.take(cap_rows, policy.output_cap_row(step, stage_limits, min_length, body), axis=0)
+    log_probs = body.minimum(log_probs, caps)
     expanded = body.unsqueeze(carried["alive_log_probs"], [2])
     candidates = body.reshape(body._arith("Add", expanded, log_probs), (-1, beam * vocab))
     top_log_probs, top_index = body.node(

@@ -24,6 +24,8 @@ Shape legend: sentences = sentences still searched, beam = beam_size.
 
 import unicodedata
 
+import numpy as np
+
 BEAM_SIZE = 4  # §6.1
 LENGTH_PENALTY = 0.6  # α of `length_penalty`, §6.1
 MAX_EXTRA_LENGTH = 50  # output tokens beyond the source length, §6.1
@@ -100,12 +102,45 @@ def output_caps(step, limits, never, is_eos, min_length, rank, dtype, xp):
     """`constrain`'s caps: 0 where an id is allowed, `NEG_INF` where it is impossible, float
     `(sentences, vocab)` for `rank` 2 and `(sentences, 1, vocab)` for `rank` 3 (the arguments
     as `constrain`'s; `dtype` the log-probabilities')."""
-    last = xp.reshape(xp.greater_equal(step, limits - 1), (-1,) + (1,) * (rank - 1))  # (sentences, 1[, 1])
+    last, early = _sentence_states(step, limits, min_length, rank, xp)
+    return _caps_of(last, early, never, is_eos, dtype, xp)
+
+
+def _sentence_states(step, limits, min_length, rank, xp):
+    """Which sentences are at their last allowed step, and which are before `min_length` (and
+    not at their last step): bool `(sentences, 1[, 1])` each, `rank` dimensions."""
+    last = xp.reshape(xp.greater_equal(step, limits - 1), (-1,) + (1,) * (rank - 1))
     early = xp.logical_and(xp.less(step, min_length - 1), xp.logical_not(last))
+    return last, early
+
+
+def _caps_of(last, early, never, is_eos, dtype, xp):
+    """The caps of sentences in the states `last`, `early` (`_sentence_states`)."""
     impossible, allowed = xp.full((), NEG_INF, dtype), xp.zeros((), dtype)
     id_cap = xp.where(never, impossible, allowed)  # (vocab,)
     others = xp.minimum(id_cap, xp.where(last, impossible, allowed))  # (sentences, 1[, 1], vocab)
     return xp.where(is_eos, xp.where(early, impossible, allowed), others)
+
+
+def output_cap_rows(never, is_eos, rank, dtype):
+    """`output_caps` of the three states a sentence can be in, as a NumPy table to index with
+    `output_cap_row`: float `(3, vocab)` for `rank` 2, `(3, 1, vocab)` for `rank` 3: a sentence
+    neither early nor last, one before `min_length`, one at its last step. `never`, `is_eos`:
+    NumPy bool `(vocab,)`.
+
+    For a graph whose `never` and `is_eos` are constants: `take(rows, output_cap_row(...),
+    axis=0)` has `output_caps`' values, one row `Gather` per step instead of two broadcast
+    passes over `(sentences, 1, vocab)` (`export/lean_search.py`)."""
+    states = ((False, False), (False, True), (True, False))  # (last, early) of rows 0, 1, 2
+    rows = [_caps_of(last, early, never, is_eos, dtype, np) for last, early in states]
+    return np.stack(rows).reshape((3,) + (1,) * (rank - 2) + (-1,))
+
+
+def output_cap_row(step, limits, min_length, xp):
+    """Each sentence's row of `output_cap_rows` `(sentences,)`: 0 (neither), 1 (before
+    `min_length`), 2 (at its last step); arguments as `constrain`'s."""
+    last, early = _sentence_states(step, limits, min_length, 1, xp)
+    return xp.where(last, 2, xp.where(early, 1, 0))
 
 
 def blank_piece(piece):
