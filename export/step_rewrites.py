@@ -4,7 +4,7 @@ per step, the same bits.
 The step is converted by tf2onnx from `Transformer.decode_step`, which Keras writes for any
 number of new positions: `(rows, 1, d_model)` tensors, and the positional encoding as a slice
 `table[t : t + 1]` whose bounds are computed from the cache's shape. In a step that decodes one
-position per row, three things are known that the converted graph does not use:
+position per row, four things are known that the converted graph does not use:
 
 1. **The position is the cache length** (`positions_by_gather`): the slice's ~8 kernels
    (Shape -> Cast -> Slice -> Concat -> Add -> Slice -> Unsqueeze -> Slice, what ONNX Runtime
@@ -17,16 +17,19 @@ position per row, three things are known that the converted graph does not use:
    (+ `Relu`) into one `Gemm` / `FusedGemm`, which it only does for matrices: the same sums
    (ONNX Runtime's SGEMM adds the bias to a finished dot product as long as the inner dimension
    is at most 256, measured: from 512 on, a `Gemm` sums in two blocks and differs in the last
-   bit, and `verified` below then keeps the step as it was).
+   bit, and `verified` below then keeps the step without this rewrite).
 3. **A scaled query reshaped twice** (`collapse_scaled_reshapes`): `Reshape(Mul(Reshape(x, a),
    c), b)` with a scalar `c` becomes `Reshape(Mul(x, c), b)`.
+4. **The new position's heads are one reshape away** (`split_heads_once`): a self-attention's
+   Q/K/V projection split in three, each part reshaped to `(rows, heads, 1, depth)`, becomes
+   one reshape to `(rows, 3 x heads, 1, depth)` split on the heads' axis.
 
-`leaner_step(model)` applies the three and keeps the result only if `verified`: ONNX Runtime
+`leaner_step(model)` applies the four and keeps the result only if `verified`: ONNX Runtime
 runs the step before and after on random inputs (several sentences of several beams, two cache
 lengths) and every output is bitwise the same; otherwise (a graph the rewrites do not know, or
-a kernel that sums in another order) it tries the first two alone, then keeps the step as
-converted. On the 3+3 `mini` model (fused kernels) the step runs 108
-kernels before and ~80 after (`scripts/count_loop_nodes.py`).
+a kernel that sums in another order) it tries them without `rows_as_matrices`, then keeps the
+step as converted. On the 3+3 `mini` model (fused kernels) the step runs 108 kernels before and
+~78 after (`scripts/count_loop_nodes.py`).
 """
 
 import copy
@@ -65,24 +68,36 @@ CACHE_LENGTH_AXIS = 2
 
 def leaner_step(model):
     """`(model, report)`: `decoder_step.onnx`'s `model` with the module docstring's rewrites (a
-    new model; `model` is not changed). All three if the result is `verified`, else the first
-    two if that is, else `model` itself; `report` is `{rewrite: applied}`, empty if none was
-    kept."""
-    for rewrites in (REWRITES, REWRITES[:2]):
+    new model; `model` is not changed). All four if the result is `verified`, else all but
+    `rows_as_matrices` (the one whose `Gemm`s may sum in another order) if that is, else
+    `model` itself; `report` is `{rewrite: applied}`, empty if none was kept."""
+    for rewrites in (REWRITES, tuple(r for r in REWRITES if r is not rows_as_matrices)):
         rewritten = copy.deepcopy(model)
         applied = {}
         for rewrite in rewrites:
             if rewrite is rows_as_matrices and not applied.get("positions_by_gather"):
                 continue  # a (1, 1, d_model) position would broadcast matrices back to rank 3
             applied[rewrite.__name__] = int(rewrite(rewritten))
+            _drop_dead_nodes(rewritten.graph)  # a value the rewrite left unread has no reader
         if not any(applied.values()):
             return model, {}
-        _drop_dead_nodes(rewritten.graph)
         _drop_unused_initializers(rewritten.graph)
-        del rewritten.graph.value_info[:]  # ranks changed; ONNX Runtime infers the shapes again
+        rewritten = _shapes_inferred(rewritten)
         if verified(model, rewritten):
             return rewritten, {name: count for name, count in applied.items() if count}
     return model, {}
+
+
+def _shapes_inferred(model):
+    """`model` with its values' shapes inferred anew (ranks changed): ONNX Runtime's fusions
+    need them (an `Add` + `LayerNormalization` it makes one `SkipLayerNormalization` only where
+    the shapes are known, and that kernel rounds differently). Without them if ONNX's inference
+    fails."""
+    del model.graph.value_info[:]
+    try:
+        return onnx.shape_inference.infer_shapes(model)
+    except Exception:  # noqa: BLE001 - ONNX Runtime infers what it can
+        return model
 
 
 # -- 1. the position ------------------------------------------------------------------------------
@@ -183,16 +198,17 @@ def _rows_as_matrices(graph):
     if unsqueeze is None or _axes(unsqueeze, constant) != [1]:
         return False
     sources = []
-    for gather in consumers.get(unsqueeze.output[0], []):
-        if (
-            gather.op_type != "Gather"
-            or gather.input[1] != unsqueeze.output[0]
-            or _attribute(gather, "axis", 0)
-        ):
+    for reader in consumers.get(unsqueeze.output[0], []):
+        ids = reader.input[1] if len(reader.input) > 1 else None
+        if reader.op_type == "Gather" and ids == unsqueeze.output[0] and not _attribute(reader, "axis"):
+            reader.input[1] = "token_ids"
+            sources.append(reader.output[0])
+        elif not _int8_lookup_reader(reader, graph, consumers, producers, constant, sources):
             return False
-        gather.input[1] = "token_ids"
-        sources.append(gather.output[0])
     graph.node.remove(unsqueeze)
+    _drop_dead_nodes(graph)  # what the int8 lookup no longer reads
+    consumers = _consumers(graph)
+    producers = {name: node for node in graph.node for name in node.output}
     for node in graph.node:
         if node.op_type == "Reshape" and _row_shape(constant(node.input[1])):
             node.input[1] = _new_constant(graph, constants, constant(node.input[1])[[0, 2]])
@@ -218,6 +234,39 @@ def _rows_as_matrices(graph):
     return all(
         _reads_rows(node, rows, constant, graph, constants, consumers, producers, outputs) for node in readers
     )
+
+
+def _int8_lookup_reader(reader, graph, consumers, producers, constant, sources):
+    """Whether `reader` of the token ids' `Unsqueeze` belongs to `quantization._lookup`'s int8
+    embedding lookup of ids `(rows, 1)`, made to read the ids `(rows,)`: its `Reshape` to `(-1,)`
+    (the ids themselves: its readers read `token_ids`), or the `Shape` of the ids that reshapes
+    the looked-up `(rows, width)` rows to `(rows, 1, width)` (that `Reshape`'s readers read the
+    rows, a source). Adds the sources to `sources`; the nodes left unread are dropped later."""
+
+    def values(name):  # a constant's values, from an initializer or a `Constant` node
+        made = producers.get(name)
+        if made is not None and made.op_type == "Constant":
+            return _attribute(made, "value_ints")
+        value = constant(name)
+        return None if value is None else value.tolist()
+
+    if reader.op_type == "Reshape" and values(reader.input[1]) == [-1]:
+        for node in consumers.get(reader.output[0], []):
+            node.input[:] = ["token_ids" if name == reader.output[0] else name for name in node.input]
+        return True
+    if reader.op_type != "Shape" or reader.attribute:
+        return False
+    concats = consumers.get(reader.output[0], [])
+    if len(concats) != 1 or concats[0].op_type != "Concat" or concats[0].input[0] != reader.output[0]:
+        return False
+    reshapes = consumers.get(concats[0].output[0], [])
+    if not reshapes or any(r.op_type != "Reshape" or r.input[1] != concats[0].output[0] for r in reshapes):
+        return False
+    for reshape in reshapes:
+        for node in consumers.get(reshape.output[0], []):
+            node.input[:] = [reshape.input[0] if name == reshape.output[0] else name for name in node.input]
+        sources.append(reshape.input[0])
+    return True
 
 
 def _reads_rows(node, rows, constant, graph, constants, consumers, producers, outputs):
@@ -382,6 +431,80 @@ def collapse_scaled_reshapes(model):
     return collapsed
 
 
+# -- 4. the heads split once ----------------------------------------------------------------------
+
+
+def split_heads_once(model):
+    """Each self-attention's `Split` of the Q/K/V projection into three `(rows, width)` parts,
+    each reshaped to `(rows, heads, 1, depth)` and the query scaled by a scalar `c` first,
+    becomes `Mul` by `(c, ..., c, 1, ..., 1)` (the query's `width` columns by `c`, the keys'
+    and values' by 1: the same products), one `Reshape` to `(rows, 3 x heads, 1, depth)` and
+    a `Split` on the heads' axis (module docstring, 4): the same elements in the same places,
+    two kernels fewer per layer. (The scale stays before the split: a scalar `Mul` straight
+    before the query's `MatMul` is what ONNX Runtime folds into the product's `alpha`, which
+    rounds differently.) Returns how many."""
+    graph = model.graph
+    constants = {init.name: numpy_helper.to_array(init) for init in graph.initializer}
+    consumers = _consumers(graph)
+    outputs = {value.name for value in graph.output}
+
+    def only_reader(name, op_type):
+        readers = consumers.get(name, [])
+        if len(readers) != 1 or readers[0].op_type != op_type or name in outputs:
+            return None
+        return readers[0]
+
+    def heads_shape(reshape):
+        target = constants.get(reshape.input[1]) if reshape is not None else None
+        if target is None or target.shape != (4,) or target[0] != -1 or target[2] != 1 or (target == 0).any():
+            return None
+        return target.tolist()
+
+    count = 0
+    for split in list(graph.node):
+        if (
+            split.op_type != "Split"
+            or len(split.output) != 3
+            or _attribute(split, "axis", 0) != -1
+            or (len(split.input) > 1 and split.input[1])
+            or _attribute(split, "split") is not None
+        ):
+            continue
+        mul = only_reader(split.output[0], "Mul")
+        scale = [constants.get(name) for name in mul.input] if mul is not None else []
+        scale = [value for value in scale if value is not None and value.ndim == 0]
+        if len(scale) != 1 or mul.input[0] != split.output[0] and mul.input[1] != split.output[0]:
+            continue
+        reshapes = [only_reader(mul.output[0], "Reshape")]
+        reshapes += [only_reader(name, "Reshape") for name in split.output[1:]]
+        shapes = [heads_shape(reshape) for reshape in reshapes]
+        if shapes[0] is None or any(shape != shapes[0] for shape in shapes):
+            continue
+        _, heads, _, depth = shapes[0]
+        width = heads * depth
+        factors = np.concatenate([np.full(width, scale[0]), np.ones(2 * width, scale[0].dtype)])
+        prefix = split.name or split.output[0]
+        scaled, joined = f"{prefix}/scaled", f"{prefix}/heads"
+        factors = _new_constant(graph, constants, factors.astype(scale[0].dtype))
+        target = _new_constant(graph, constants, np.array([-1, 3 * heads, 1, depth], np.int64))
+        sizes = _new_constant(graph, constants, np.array([heads] * 3, np.int64))
+        index = list(graph.node).index(split)
+        new_nodes = [
+            helper.make_node("Mul", [split.input[0], factors], [scaled], name=scaled),
+            helper.make_node("Reshape", [scaled, target], [joined], name=joined),
+            helper.make_node(
+                "Split", [joined, sizes], [reshape.output[0] for reshape in reshapes],
+                name=f"{prefix}/by_heads", axis=1,
+            ),
+        ]  # fmt: skip
+        for node in (split, mul, *reshapes):
+            graph.node.remove(node)
+        for offset, node in enumerate(new_nodes):
+            graph.node.insert(index + offset, node)
+        count += 1
+    return count
+
+
 # -- checks ---------------------------------------------------------------------------------------
 
 
@@ -436,4 +559,4 @@ def random_feeds(graph, rng, sentences, beam, cache_length, source_length):
     return feeds
 
 
-REWRITES = (positions_by_gather, collapse_scaled_reshapes, rows_as_matrices)
+REWRITES = (positions_by_gather, collapse_scaled_reshapes, rows_as_matrices, split_heads_once)

@@ -255,6 +255,13 @@ def test_int8_export_quantizes_the_loop_and_records_the_bleu_check(int8_export, 
     assert gate["bleu_drop"] <= gate["max_bleu_drop"] == 1.0
     assert 0 <= gate["identical_translations"] <= 40
     assert json.loads((converted / "export.json").read_text())["quantization"] == {"type": "float32"}
+    # The int8 step rewritten too, but not as matrices: ONNX Runtime makes each Add +
+    # LayerNormalization one SkipLayerNormalization (other bits) only for (rows, 1, width).
+    assert metadata["step_rewrites"] == {
+        "positions_by_gather": 1,
+        "collapse_scaled_reshapes": 2,
+        "split_heads_once": 2,
+    }
 
 
 def _vocabulary_matrices(model, vocab):
@@ -647,6 +654,12 @@ def test_fused_int8_export_is_gated_fused_and_translates_as_the_portable_int8(
     metadata = json.loads((out / "export.json").read_text())
     assert metadata["kernels"] == "fused" and metadata["quantization"]["type"] == "int8"
     assert metadata["quantization"]["gate"]["passed"]
+    # Its step as matrices (the SkipLayerNormalizations are the export's own): the int8
+    # embedding lookup reads the ids (rows,), not (rows, 1).
+    assert metadata["step_rewrites"]["rows_as_matrices"] == 1
+    step = onnx.load(str(out / "decoder_step.onnx"))
+    readers = [node.op_type for node in step.graph.node if "token_ids" in node.input]
+    assert readers and set(readers) == {"Gather"}, readers
     translate = onnx.load(str(out / "translate.onnx"))
     assert metadata["fused_kernels"] == count_fused(translate)
     for loop in [n for g in all_graphs(translate.graph) for n in g.node if n.op_type == "Loop"]:

@@ -36,16 +36,23 @@ def _outputs(model, feeds):
 @pytest.mark.parametrize("kernels", ["portable", "fused"])
 def test_leaner_step_gives_bitwise_the_same_outputs_with_fewer_nodes(converted_steps, kernels):
     """The tiny preset (2 decoder layers, d_model 64, d_ff 256: every product's inner dimension
-    within the 256 where ONNX Runtime's `Gemm` sums as `MatMul` + `Add`): all three rewrites
+    within the 256 where ONNX Runtime's `Gemm` sums as `MatMul` + `Add`): all four rewrites
     are kept, and the step gives bitwise the outputs of the converted one on inputs other than
     `verified`'s own (another seed; 5 sentences of 1 beam, 1 of 4, 2 of 3; cache lengths 1 and 9)."""
     before = converted_steps[kernels]
     original = copy.deepcopy(before)
     after, applied = leaner_step(before)
     assert before == original  # not changed in place
-    assert applied == {"positions_by_gather": 1, "collapse_scaled_reshapes": 2, "rows_as_matrices": 1}
+    assert applied == {
+        "positions_by_gather": 1,
+        "collapse_scaled_reshapes": 2,
+        "rows_as_matrices": 1,
+        "split_heads_once": 2,
+    }
     ops = [node.op_type for node in after.graph.node]
-    assert len(ops) <= len(before.graph.node) - 12, (len(before.graph.node), len(ops))
+    assert len(ops) <= len(before.graph.node) - 16, (len(before.graph.node), len(ops))
+    splits = [node for node in after.graph.node if node.op_type == "Split"]
+    assert len(splits) == 2 and all(node.attribute[0].i == 1 for node in splits)  # on the heads' axis
     assert not any(node.op_type == "Unsqueeze" and node.input[0] == "token_ids" for node in after.graph.node)
     assert ops.count("Slice") == 0  # the position's slices and the last position's
     rng = np.random.default_rng(7)
@@ -58,8 +65,8 @@ def test_leaner_step_gives_bitwise_the_same_outputs_with_fewer_nodes(converted_s
 
 
 def test_a_rewrite_that_changes_a_bit_is_not_kept(converted_steps, monkeypatch):
-    """`verified` compares bit for bit; `leaner_step` falls back to the first two rewrites, then
-    to the step as converted."""
+    """`verified` compares bit for bit; `leaner_step` falls back to the rewrites without
+    `rows_as_matrices`, then to the step as converted."""
     step = converted_steps["fused"]
     changed = copy.deepcopy(step)
     weight = next(init for init in changed.graph.initializer if numpy_helper.to_array(init).ndim == 2)
@@ -76,7 +83,8 @@ def test_a_rewrite_that_changes_a_bit_is_not_kept(converted_steps, monkeypatch):
 
     monkeypatch.setattr(step_rewrites, "verified", refuse_rows)
     after, applied = leaner_step(step)
-    assert applied == {"positions_by_gather": 1, "collapse_scaled_reshapes": 2} and len(calls) == 2
+    assert len(calls) == 2
+    assert applied == {"positions_by_gather": 1, "collapse_scaled_reshapes": 2, "split_heads_once": 2}
     monkeypatch.setattr(step_rewrites, "verified", lambda before, after: False)
     assert leaner_step(step) == (step, {})
 
@@ -116,6 +124,7 @@ def test_exports_record_the_rewrites_and_fusing_their_step_shares_one_query_shap
         "positions_by_gather": 1,
         "collapse_scaled_reshapes": 2,
         "rows_as_matrices": 1,
+        "split_heads_once": 2,
     }
     fused = fuse_for_onnx_runtime(onnx.load(str(exported[1] / "decoder_step.onnx")))
     shapes = [node for node in fused.graph.node if "fused_query_shape" in node.name]
@@ -123,3 +132,42 @@ def test_exports_record_the_rewrites_and_fusing_their_step_shares_one_query_shap
     folds = [node for node in fused.graph.node if node.name.endswith("fused_fold_beams")]
     assert len(folds) == 2 and all(node.input[1] == shapes[0].output[0] for node in folds)
     assert leaner_step(fused) == (fused, {})
+
+
+def test_heads_split_once_only_where_every_part_is_one_heads_reshape():
+    """`split_heads_once` rewrites a Q/K/V `Split` whose parts are each read once by a reshape to
+    `(rows, heads, 1, depth)` (the query through its scalar `Mul`), and leaves one alone whose
+    key part has a second reader; the rewritten graph gives bitwise the same outputs."""
+    heads, depth = 2, 3
+    width = heads * depth
+
+    def model(key_read_twice):
+        shape = numpy_helper.from_array(np.array([-1, heads, 1, depth], np.int64), "shape")
+        nodes = [
+            helper.make_node("Split", ["qkv"], ["q", "k", "v"], axis=-1),
+            helper.make_node("Mul", ["q", "scale"], ["q_scaled"]),
+            helper.make_node("Reshape", ["q_scaled", "shape"], ["q_heads"]),
+            helper.make_node("Reshape", ["k", "shape"], ["k_heads"]),
+            helper.make_node("Reshape", ["v", "shape"], ["v_heads"]),
+        ]
+        outputs = ["q_heads", "k_heads", "v_heads"]
+        if key_read_twice:
+            nodes.append(helper.make_node("Relu", ["k"], ["k_relu"]))
+            outputs.append("k_relu")
+        graph = helper.make_graph(
+            nodes,
+            "g",
+            [helper.make_tensor_value_info("qkv", onnx.TensorProto.FLOAT, [None, 3 * width])],
+            [helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None) for name in outputs],
+            [shape, numpy_helper.from_array(np.array(depth**-0.5, np.float32), "scale")],
+        )
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+    untouched = model(key_read_twice=True)
+    assert step_rewrites.split_heads_once(untouched) == 0
+    before, after = model(key_read_twice=False), model(key_read_twice=False)
+    assert step_rewrites.split_heads_once(after) == 1
+    assert [node.op_type for node in after.graph.node] == ["Mul", "Reshape", "Split"]
+    feeds = {"qkv": np.random.default_rng(3).standard_normal((5, 3 * width)).astype(np.float32)}
+    for a, b in zip(_outputs(before, feeds), _outputs(after, feeds)):
+        np.testing.assert_array_equal(a, b)
