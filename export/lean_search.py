@@ -387,6 +387,7 @@ def lean_translate_graph(encoder, decoder_step, config, decoding, blank):
     trips = main.squeeze(max_len64, [0])
     empty = policy.empty_sources(source, np.asarray(blank, bool), main)  # (batch,)
     positions = main.arange(max_len, np.int32)
+    positions64 = main.arange(max_len, np.int64)  # compared with the step (int64) as it is
     # Per step (tokens decoded before it): the tokens after it, and their length penalty.
     steps_after = main.cast(positions + np.int32(1), np.float32)  # (max_len,)
     step_penalties = policy.length_penalty(steps_after, alpha)
@@ -442,19 +443,22 @@ def lean_translate_graph(encoder, decoder_step, config, decoding, blank):
         now[key] = stage.rows(now[key], live_rows)
     numerator, denominator = STAGE_FRACTION
     enough = stage.squeeze(stage._arith("Div", size * np.int64(numerator), np.int64(denominator)), [0])
+    most_final = stage.squeeze(size, [0]) - enough
     beam_rows = stage.unsqueeze(stage.arange(size, np.int64), [1])
     pool_rows = beam_rows * np.int64(2 * beam)
     beam_rows = beam_rows * np.int64(beam)
     stage_pool_shape = stage.concat([size, stage.const([beam], np.int64), max_len64], axis=0)
     stage_limits = now["limits"]
     stage_limits_float = stage.cast(stage_limits, np.float32)
+    # Each sentence's row of the output caps at each step (max_len, sentences), once a stage.
+    steps_column = stage.unsqueeze(positions64, [1])
+    cap_rows_by_step = policy.output_cap_row(steps_column, stage_limits, min_length, stage)
 
     # One step of every searched sentence's beam.
     step_state = {key: now[key] for key in ["step", "last", *STEP_STATE, *caches]}
     body = _body("lean/step/", 2, step_state)
     carried = body.carried
     step64 = carried["step"]
-    step = body.cast(step64, np.int32)  # tokens before this step
     next_step = body.take(steps_after, step64)  # float: tokens after this step
     decoder_inputs = {"token_ids": carried["last"].name, "memory_mask": now["memory_mask"].name}
     decoder_inputs.update({name: carried[name].name for name in caches})
@@ -466,9 +470,10 @@ def lean_translate_graph(encoder, decoder_step, config, decoding, blank):
     log_probs = body.reshape(Tensor(body, "dec/log_probs", np.float32, 2), (-1, beam, vocab))
     ids = np.arange(vocab)
     never = np.isin(ids, [config[name] for name in policy.NEVER_OUTPUT])
-    # policy.constrain: each sentence's row of the caps' table, one `Gather` (policy.output_cap_rows).
+    # policy.constrain: each sentence's row of the caps' table (policy.output_cap_rows), from the
+    # stage's table of rows per step: two `Gather`s a step.
     cap_rows = body.const(policy.output_cap_rows(never, ids == eos, 3, np.float32))
-    caps = body.take(cap_rows, policy.output_cap_row(step, stage_limits, min_length, body), axis=0)
+    caps = body.take(cap_rows, body.take(cap_rows_by_step, step64, axis=0), axis=0)
     log_probs = body.minimum(log_probs, caps)
     expanded = body.unsqueeze(carried["alive_log_probs"], [2])
     candidates = body.reshape(body._arith("Add", expanded, log_probs), (-1, beam * vocab))
@@ -480,7 +485,7 @@ def lean_translate_graph(encoder, decoder_step, config, decoding, blank):
     origin_rows = body.reshape(body._arith("Add", beam_rows, origin), (-1,))  # (sentences * beam,)
     alive = body.rows(body.node("Reshape", [carried["alive"], row_shape], np.int32, 2), origin_rows)
     alive = body.node("Reshape", [alive, stage_pool_shape], np.int32, 3)
-    alive = body.where(body.equal(positions, step), body.unsqueeze(tokens, [2]), alive)
+    alive = body.where(body.equal(positions64, step64), body.unsqueeze(tokens, [2]), alive)
     is_eos = body.equal(tokens, np.int32(eos))
     # Candidates ending in EOS join the pool of finished hypotheses. A sentence already final
     # keeps its pool (in the Keras search it has left the batch): its candidates are impossible,
@@ -521,8 +526,9 @@ def lean_translate_graph(encoder, decoder_step, config, decoding, blank):
         new[past] = body.rows(
             Tensor(body, f"dec/{past.replace('past_', 'present_')}", np.float32, 4), origin_rows
         )
-    searched_now = body.reduce("ReduceSum", body.cast(body.logical_not(new["done"]), np.int64))
-    more = body.node("Greater", [searched_now, enough], np.bool_, 0)
+    # More than `enough` still searched: fewer than `size - enough` final.
+    final_now = body.reduce("ReduceSum", body.cast(new["done"], np.int64))
+    more = body.less(final_now, most_final)
     steps_left = stage.squeeze(max_len64, [0]) - now["step"]
     outputs = [more] + [new[k] for k in step_state]
     stepped = _loop(stage, "lean/steps", steps_left, stage.const(True, np.bool_), step_state, body, outputs)

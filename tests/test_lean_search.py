@@ -206,12 +206,15 @@ def test_prefixed_graph_names_unnamed_nodes_apart_from_named_ones():
 @pytest.mark.parametrize("rank", [2, 3])
 def test_output_cap_rows_hold_output_caps_of_every_state(rank):
     """`take(output_cap_rows, output_cap_row)` (the lean graph's caps, one row `Gather`) equals
-    `output_caps` for sentences plain, before `min_length`, at their last step (which wins)."""
+    `output_caps` for sentences plain, before `min_length`, at their last step (which wins);
+    so does the row of a table of rows per step (what the lean graph computes once a stage)."""
     never, is_eos = np.isin(np.arange(9), [0, 3]), np.arange(9) == 2
     rows = policy.output_cap_rows(never, is_eos, rank, np.float32)
     limits = np.array([1, 2, 4, 9, 9], np.int32)
-    for step in range(9):
-        for min_length in (0, 1, 3, 6):
+    for min_length in (0, 1, 3, 6):
+        by_step = policy.output_cap_row(np.arange(9)[:, None], limits, min_length, np)  # (steps, sentences)
+        for step in range(9):
             want = policy.output_caps(np.int32(step), limits, never, is_eos, min_length, rank, np.float32, np)
             got = np.take(rows, policy.output_cap_row(np.int32(step), limits, min_length, np), axis=0)
             np.testing.assert_array_equal(got, want)
+            np.testing.assert_array_equal(np.take(rows, by_step[step], axis=0), want)

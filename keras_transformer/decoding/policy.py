@@ -108,8 +108,11 @@ def output_caps(step, limits, never, is_eos, min_length, rank, dtype, xp):
 
 def _sentence_states(step, limits, min_length, rank, xp):
     """Which sentences are at their last allowed step, and which are before `min_length` (and
-    not at their last step): bool `(sentences, 1[, 1])` each, `rank` dimensions."""
-    last = xp.reshape(xp.greater_equal(step, limits - 1), (-1,) + (1,) * (rank - 1))
+    not at their last step): bool `(sentences, 1[, 1])` each, `rank` dimensions (`None`: as
+    `step` and `limits` broadcast)."""
+    last = xp.greater_equal(step, limits - 1)
+    if rank is not None:
+        last = xp.reshape(last, (-1,) + (1,) * (rank - 1))
     early = xp.logical_and(xp.less(step, min_length - 1), xp.logical_not(last))
     return last, early
 
@@ -138,8 +141,10 @@ def output_cap_rows(never, is_eos, rank, dtype):
 
 def output_cap_row(step, limits, min_length, xp):
     """Each sentence's row of `output_cap_rows` `(sentences,)`: 0 (neither), 1 (before
-    `min_length`), 2 (at its last step); arguments as `constrain`'s."""
-    last, early = _sentence_states(step, limits, min_length, 1, xp)
+    `min_length`), 2 (at its last step); arguments as `constrain`'s. With `step` a column of
+    steps `(steps, 1)`: the rows at each of them `(steps, sentences)` (a table a graph can
+    compute once and index by step)."""
+    last, early = _sentence_states(step, limits, min_length, None, xp)
     return xp.where(last, 2, xp.where(early, 1, 0))
 
 
