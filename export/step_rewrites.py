@@ -82,18 +82,19 @@ def leaner_step(model):
         if not any(applied.values()):
             return model, {}
         _drop_unused_initializers(rewritten.graph)
-        rewritten = _shapes_inferred(rewritten)
-        if verified(model, rewritten):
-            return rewritten, {name: count for name, count in applied.items() if count}
+        del rewritten.graph.value_info[:]  # ranks changed
+        # With the shapes inferred anew, else none (ONNX Runtime infers them): which of the two
+        # gives the converted step's bits depends on which fusions ONNX Runtime then finds.
+        for candidate in (_shapes_inferred(rewritten), rewritten):
+            if verified(model, candidate):
+                return candidate, {name: count for name, count in applied.items() if count}
     return model, {}
 
 
 def _shapes_inferred(model):
-    """`model` with its values' shapes inferred anew (ranks changed): ONNX Runtime's fusions
-    need them (an `Add` + `LayerNormalization` it makes one `SkipLayerNormalization` only where
-    the shapes are known, and that kernel rounds differently). Without them if ONNX's inference
-    fails."""
-    del model.graph.value_info[:]
+    """A copy of `model` with its values' shapes inferred by ONNX (`model` if that fails).
+    ONNX Runtime's fusions read them: an `Add` + `LayerNormalization` becomes one
+    `SkipLayerNormalization` (other bits) only where the shapes are known."""
     try:
         return onnx.shape_inference.infer_shapes(model)
     except Exception:  # noqa: BLE001 - ONNX Runtime infers what it can
