@@ -6,17 +6,21 @@ holds the decoder step and ~200 nodes of search bookkeeping (the controls' switc
 leaving the batch at every step, shape arithmetic as TensorFlow traced it). At the `mini` width
 that bookkeeping costs about as much as the decoder: on 40 val sentences at batch 1 (fused
 kernels, AMD EPYC) `decoder_step.onnx` alone in a `Loop` with an `ArgMax` took 0.24 ms a step,
-`translate.onnx` 0.55 ms a step. Here the same search has ~65 nodes a step besides the decoder's.
+`translate.onnx` 0.55 ms a step. Here the same search has 56 nodes a step besides the decoder's.
 
 What it is (the search of `keras_transformer.decoding.search._BeamSearch`, the same tokens):
 - the encoder's nodes once; then a `Loop` over stages, each a `Loop` over decoding steps whose
   body is `decoder_step.onnx`'s nodes (its weights as the body's own initializers: read from the
   main graph through the stages' `Loop` instead, batch 1 was ~20% slower on the `mini` model;
   its nodes that read only the stage's source mask and cross-attention keys/values run once per
-  stage, before the steps' `Loop`: `_hoist_invariants`), `policy.constrain`, the top `beam` of
+  stage, before the steps' `Loop`: `_hoist_invariants`), `policy.constrain` (each sentence's
+  caps a row of `policy.output_cap_rows`, which row at each step a table the stage computes
+  once: `policy.output_cap_row`), the top `beam` of
   `beam * vocab` candidates (ONNX `TopK`: ties go to the lower index, as `top_k`), the pool
   of finished hypotheses (the best `beam` by `log P / length_penalty`),
-  `policy.search_is_final`, and one `Gather` per cache tensor to reorder the beams;
+  `policy.search_is_final`, and one `Gather` per cache tensor to reorder the beams (the
+  bodies' inputs and outputs declared with their ranks: ONNX Runtime's `MatMul` + `Add`
+  fusion needs them);
 - the policy's rules (`output_limits`, `constrain`, `length_penalty`, `search_is_final`,
   `empty_sources`) are the functions of `keras_transformer.decoding.policy` themselves, called
   with `OnnxOps` as their array namespace `xp`: each call emits the nodes, in the innermost
