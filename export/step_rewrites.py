@@ -260,8 +260,17 @@ def _int8_lookup_reader(reader, graph, consumers, producers, constant, sources):
     concats = consumers.get(reader.output[0], [])
     if len(concats) != 1 or concats[0].op_type != "Concat" or concats[0].input[0] != reader.output[0]:
         return False
+    width = producers.get(concats[0].input[1]) if len(concats[0].input) == 2 else None
     reshapes = consumers.get(concats[0].output[0], [])
-    if not reshapes or any(r.op_type != "Reshape" or r.input[1] != concats[0].output[0] for r in reshapes):
+    if (  # the target (ids..., width), width = Shape(rows, start=1), the rows matrices
+        width is None
+        or width.op_type != "Shape"
+        or _attribute(width, "start") != 1
+        or _attribute(width, "end") is not None
+        or not reshapes
+        or any(r.op_type != "Reshape" or r.input[1] != concats[0].output[0] for r in reshapes)
+        or any(r.input[0] != width.input[0] for r in reshapes)
+    ):
         return False
     for reshape in reshapes:
         for node in consumers.get(reshape.output[0], []):
@@ -474,7 +483,7 @@ def split_heads_once(model):
         mul = only_reader(split.output[0], "Mul")
         scale = [constants.get(name) for name in mul.input] if mul is not None else []
         scale = [value for value in scale if value is not None and value.ndim == 0]
-        if len(scale) != 1 or mul.input[0] != split.output[0] and mul.input[1] != split.output[0]:
+        if len(scale) != 1:
             continue
         reshapes = [only_reader(mul.output[0], "Reshape")]
         reshapes += [only_reader(name, "Reshape") for name in split.output[1:]]
