@@ -1,4 +1,5 @@
-"""Where `translate.onnx`'s time goes in ONNX Runtime: its profiler, summed by op type.
+"""Where `translate.onnx`'s (or `translate_lean.onnx`'s) time goes in ONNX Runtime: its
+profiler, summed by op type.
 
 Translates `--sentences` sentences of a split at batch 1 (one at a time) and
 in one batch of 32 with ONNX Runtime's profiling on (`--threads` intra-op
@@ -10,7 +11,12 @@ search's bookkeeping, and what runs once per batch outside the decoding `Loop`:
 the encoder and the search's set-up).
 
     python scripts/profile_onnx.py EXPORT_DIR [--data-dir DIR] [--split test2016]
-        [--sentences 32] [--threads 2] [--top-nodes 25] [--json results/profile_onnx.json]
+        [--graph translate|translate_lean] [--sentences 32] [--threads 2] [--top-nodes 25]
+        [--json results/profile_onnx.json]
+
+With `--graph translate_lean` the decoding step is the lean graph's step `Loop` body (its
+`decoder_step.onnx` nodes named `dec/...`, the search's `lean/step/...`); its nodes that run
+once per stage count as "once per batch".
 """
 
 import collections
@@ -22,7 +28,8 @@ import onnx  # noqa: E402
 import onnxruntime  # noqa: E402
 from count_loop_nodes import main_body  # noqa: E402
 
-from keras_transformer_export.graph_rewrites import count_nodes  # noqa: E402
+from keras_transformer_export.graph_rewrites import all_graphs, count_nodes  # noqa: E402
+from keras_transformer_export.lean_search import step_body  # noqa: E402
 from keras_transformer_export.onnx_runtime import OnnxTranslator, read_metadata  # noqa: E402
 
 
@@ -99,13 +106,28 @@ def main():
     parser.add_argument("--sentences", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--top-nodes", type=int, default=25, help="the slowest nodes to list")
+    parser.add_argument("--graph", choices=("translate", "translate_lean"), default="translate")
     args = parser.parse_args()
-    path = os.path.join(args.export_dir, "translate.onnx")
+    path = os.path.join(args.export_dir, f"{args.graph}.onnx")
     model = onnx.load(path)
     main_nodes, loop_nodes = count_nodes(model)
-    body = main_body(model)
+    body = main_body(model) if args.graph == "translate" else step_body(model)
+    if args.graph == "translate_lean":
+        loop_nodes = len(body.node)
     step_nodes = {node.name for node in body.node}
-    step_node = next(node.name for node in body.node if node.op_type in ("MatMul", "MatMulInteger"))
+    if args.graph == "translate":
+        step_node = next(node.name for node in body.node if node.op_type in ("MatMul", "MatMulInteger"))
+
+        def in_step(name):
+            return name in step_nodes
+
+    else:  # ONNX Runtime renames the decoder's nodes it fuses ("fused dec/...", ".../MatMulAddFusion")
+        step_node = next(node.name for node in body.node if node.op_type == "TopK")
+        outside = {node.name for graph in all_graphs(model.graph) for node in graph.node} - step_nodes
+
+        def in_step(name):  # a decoder node hoisted out of the step keeps its name: outside
+            return name in step_nodes or ("dec/" in name and name not in outside)
+
     sentences = harness.sentences(args)[: args.sentences]
     translator = OnnxTranslator(args.export_dir, "full")
     report = {
@@ -121,7 +143,7 @@ def main():
         ("batch 32", [translator.encode(sentences)]),
     ):
         nodes, calls, steps = profile(path, batches, args.threads, step_node)
-        part = {(name, op): part_of(name, op, name in step_nodes) for name, op in nodes}
+        part = {(name, op): part_of(name, op, in_step(name)) for name, op in nodes}
         totals, parts = by_op_type(nodes), by_part(nodes, part)
         busy = sum(totals.values())
         print(
