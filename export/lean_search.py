@@ -390,10 +390,9 @@ def lean_translate_graph(encoder, decoder_step, config, decoding, blank):
     max_len64 = main.cast(max_len, np.int64)
     trips = main.squeeze(max_len64, [0])
     empty = policy.empty_sources(source, np.asarray(blank, bool), main)  # (batch,)
-    positions = main.arange(max_len, np.int32)
-    positions64 = main.arange(max_len, np.int64)  # compared with the step (int64) as it is
+    positions = main.arange(max_len, np.int64)  # int64, as the step it is compared with
     # Per step (tokens decoded before it): the tokens after it, and their length penalty.
-    steps_after = main.cast(positions + np.int32(1), np.float32)  # (max_len,)
+    steps_after = main.cast(positions + np.int64(1), np.float32)  # (max_len,)
     step_penalties = policy.length_penalty(steps_after, alpha)
     row_shape = main.concat([main.const([-1], np.int64), max_len64], axis=0)  # (-1, max_len)
 
@@ -455,7 +454,7 @@ def lean_translate_graph(encoder, decoder_step, config, decoding, blank):
     stage_limits = now["limits"]
     stage_limits_float = stage.cast(stage_limits, np.float32)
     # Each sentence's row of the output caps at each step (max_len, sentences), once a stage.
-    steps_column = stage.unsqueeze(positions64, [1])
+    steps_column = stage.unsqueeze(positions, [1])
     cap_rows_by_step = policy.output_cap_row(steps_column, stage_limits, min_length, stage)
 
     # One step of every searched sentence's beam.
@@ -489,7 +488,7 @@ def lean_translate_graph(encoder, decoder_step, config, decoding, blank):
     origin_rows = body.reshape(body._arith("Add", beam_rows, origin), (-1,))  # (sentences * beam,)
     alive = body.rows(body.node("Reshape", [carried["alive"], row_shape], np.int32, 2), origin_rows)
     alive = body.node("Reshape", [alive, stage_pool_shape], np.int32, 3)
-    alive = body.where(body.equal(positions64, step64), body.unsqueeze(tokens, [2]), alive)
+    alive = body.where(body.equal(positions, step64), body.unsqueeze(tokens, [2]), alive)
     is_eos = body.equal(tokens, np.int32(eos))
     # Candidates ending in EOS join the pool of finished hypotheses. A sentence already final
     # keeps its pool (in the Keras search it has left the batch): its candidates are impossible,
@@ -550,7 +549,7 @@ def lean_translate_graph(encoder, decoder_step, config, decoding, blank):
         for result, key in zip(results, ("finished", "finished_scores", "finished_log_probs"))
     ]
     # An empty source: EOS alone, score 0 (policy.empty_sources).
-    eos_alone = main.where(main.equal(positions, np.int32(0)), np.int32(eos), np.int32(pad))  # (max_len,)
+    eos_alone = main.where(main.equal(positions, np.int64(0)), np.int32(eos), np.int32(pad))  # (max_len,)
     nbest_ids = main.where(main.unsqueeze(empty, [1, 2]), eos_alone, pools[0])
     nbest_scores = main.where(main.unsqueeze(empty, [1]), np.float32(0), pools[1])
     nbest_log_probs = main.where(main.unsqueeze(empty, [1]), np.float32(0), pools[2])

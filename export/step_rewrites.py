@@ -44,6 +44,8 @@ from keras_transformer_export.graph_rewrites import (
     _consumers,
     _drop_dead_nodes,
     _drop_unused_initializers,
+    _rename_uses,
+    _unique,
     _uses,
 )
 
@@ -252,8 +254,7 @@ def _int8_lookup_reader(reader, graph, consumers, producers, constant, sources):
         return None if value is None else value.tolist()
 
     if reader.op_type == "Reshape" and values(reader.input[1]) == [-1]:
-        for node in consumers.get(reader.output[0], []):
-            node.input[:] = ["token_ids" if name == reader.output[0] else name for name in node.input]
+        _rename_uses(graph, {reader.output[0]: "token_ids"})
         return True
     if reader.op_type != "Shape" or reader.attribute:
         return False
@@ -272,10 +273,8 @@ def _int8_lookup_reader(reader, graph, consumers, producers, constant, sources):
         or any(r.input[0] != width.input[0] for r in reshapes)
     ):
         return False
-    for reshape in reshapes:
-        for node in consumers.get(reshape.output[0], []):
-            node.input[:] = [reshape.input[0] if name == reshape.output[0] else name for name in node.input]
-        sources.append(reshape.input[0])
+    _rename_uses(graph, {reshape.output[0]: reshape.input[0] for reshape in reshapes})
+    sources.extend(reshape.input[0] for reshape in reshapes)
     return True
 
 
@@ -363,8 +362,7 @@ def _drop_last_position(node, constant, graph, consumers, outputs):
         return False
     if squeeze.output[0] in outputs:
         return False
-    for reader in consumers.get(squeeze.output[0], []):
-        reader.input[:] = [node.input[0] if value == squeeze.output[0] else value for value in reader.input]
+    _rename_uses(graph, {squeeze.output[0]: node.input[0]})
     graph.node.remove(node)
     graph.node.remove(squeeze)
     return True
@@ -400,9 +398,7 @@ def _row_shape(shape):
 
 
 def _new_constant(graph, constants, array):
-    name = f"step_rewrites/constant_{len(constants)}"
-    while name in constants:
-        name += "_"
+    name = _unique(f"step_rewrites/constant_{len(constants)}", constants)
     graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
     constants[name] = graph.initializer[-1]
     return name
