@@ -6,18 +6,20 @@ holds the decoder step and ~200 nodes of search bookkeeping (the controls' switc
 leaving the batch at every step, shape arithmetic as TensorFlow traced it). At the `mini` width
 that bookkeeping costs about as much as the decoder: on 40 val sentences at batch 1 (fused
 kernels, AMD EPYC) `decoder_step.onnx` alone in a `Loop` with an `ArgMax` took 0.24 ms a step,
-`translate.onnx` 0.55 ms a step. Here the same search has 56 nodes a step besides the decoder's.
+`translate.onnx` 0.55 ms a step. Here the same search has ~80 small nodes a step besides the
+decoder's, and no pass over all `beam * vocab` candidates but one `ReduceMax`.
 
 What it is (the search of `keras_transformer.decoding.search._BeamSearch`, the same tokens):
 - the encoder's nodes once; then a `Loop` over stages, each a `Loop` over decoding steps whose
   body is `decoder_step.onnx`'s nodes (its weights as the body's own initializers: read from the
   main graph through the stages' `Loop` instead, batch 1 was ~20% slower on the `mini` model;
   its nodes that read only the stage's source mask and cross-attention keys/values run once per
-  stage, before the steps' `Loop`: `_hoist_invariants`), `policy.constrain` (each sentence's
-  caps a row of `policy.output_cap_rows`, which row at each step a table the stage computes
-  once: `policy.output_cap_row`), the top `beam` of
-  `beam * vocab` candidates (ONNX `TopK`'s order: ties go to the lower index, as `top_k`;
-  ranked by chunks of the vocabulary first, `_top_candidates`), the pool
+  stage, before the steps' `Loop`: `_hoist_invariants`), the top `beam` of the `beam * vocab`
+  candidates after `policy.constrain` (ONNX `TopK`'s order: ties go to the lower index, as
+  `top_k`; ranked by chunks of the vocabulary first, and capped by chunk except where a
+  special id is: `_top_candidates`; each sentence's caps a row of
+  `policy.output_cap_rows`, which row at each step a table the stage computes once:
+  `policy.output_cap_row`), the pool
   of finished hypotheses (the best `beam` by `log P / length_penalty`),
   `policy.search_is_final`, and one `Gather` per cache tensor to reorder the beams (the
   bodies' inputs and outputs declared with their ranks: ONNX Runtime's `MatMul` + `Add`
@@ -364,30 +366,76 @@ def chunk_size(vocab):
     return min(divisors, key=lambda c: abs(c - root)) if divisors else None
 
 
-def _top_candidates(ops, log_probs, alive_log_probs, beam, vocab, sentence_chunks):
-    """The best `beam` of each sentence's `beam * vocab` candidates `alive_log_probs +
-    log_probs`, in ONNX `TopK`'s order (value descending, ties to the lower index): their values
-    `(sentences, beam)` float and flat indices `b * vocab + token` `(sentences, beam)` int64.
+class _ChunkCaps:
+    """`policy.constrain`'s caps (`policy.output_cap_rows`: a row per sentence state) laid out
+    for `_top_candidates`: per chunk of `chunk` ids, and for the chunks holding a special id
+    (`special`: the ids whose cap is not the same in all of their chunk's ids) per id. A step
+    reads them with `index` `(sentences, 1)` int64: `state * chunks` (`chunks = vocab /
+    chunk`; 1 and the whole vocabulary when `chunk` is None)."""
 
-    `log_probs` `(sentences, beam, vocab)`, `alive_log_probs` `(sentences, beam)`;
-    `sentence_chunks` `(sentences, 1)`: each sentence's first chunk (`beam * vocab / chunk`
-    per sentence), None where `chunk_size(vocab)` is None.
+    def __init__(self, cap_rows, chunk):
+        states, vocab = cap_rows.shape
+        self.chunk = chunk or vocab
+        self.chunks = vocab // self.chunk
+        per_chunk = cap_rows.reshape(states, self.chunks, self.chunk)
+        uneven = np.flatnonzero(np.any(per_chunk != per_chunk[:, :, :1], axis=(0, 2)))
+        first, last = (uneven.min(), uneven.max() + 1) if uneven.size else (0, 0)
+        self.special = slice(int(first), int(last))  # the chunks whose ids differ
+        # Tables indexed by `state * chunks` (the rows between are not read).
+        self.by_id = per_chunk.reshape(states * self.chunks, self.chunk)  # a state's chunk's ids
+        self.by_chunk = np.zeros((states * self.chunks, self.chunks), cap_rows.dtype)
+        self.by_chunk[:: self.chunks] = per_chunk[:, :, 0]
+        self.by_chunk[:: self.chunks, self.special] = 0  # the special chunks: exact from their ids
+        self.special_ids = np.zeros(
+            (states * self.chunks,) + per_chunk[:, self.special].shape[1:], cap_rows.dtype
+        )
+        self.special_ids[:: self.chunks] = per_chunk[:, self.special]
+
+
+def _top_candidates(ops, log_probs, alive_log_probs, beam, caps, index, sentence_chunks):
+    """The best `beam` of each sentence's `beam * vocab` candidates `alive_log_probs +
+    constrain(log_probs)`, in ONNX `TopK`'s order (value descending, ties to the lower index):
+    their values `(sentences, beam)` float and flat indices `b * vocab + token` `(sentences,
+    beam)` int64.
+
+    `log_probs` `(sentences * beam, vocab)` before the output rules, `alive_log_probs`
+    `(sentences, beam)`; `caps` a `_ChunkCaps` and `index` `(sentences, 1)` each sentence's
+    row of its tables; `sentence_chunks` `(sentences, 1)`: each sentence's first chunk (`beam
+    * chunks` per sentence).
 
     One `TopK` over `beam * vocab` candidates is a scalar pass (ONNX Runtime's heap, one thread
-    per row: ~0.45 ms at 32 sentences of beam 4 over 8,000 ids). Instead, by chunks of `c`
-    consecutive ids: each chunk's best candidate is `alive + max(log_probs of the chunk)`
-    exactly (adding a float is monotone, so it commutes with the max); the `beam` best chunks
+    per row: ~0.45 ms at 32 sentences of beam 4 over 8,000 ids), and the caps' `Min` over them
+    another (one thread, ~0.2 ms). Instead, by chunks of `c` consecutive ids: each chunk's best
+    candidate is `alive + max(capped log_probs of the chunk)` exactly (adding a float is
+    monotone, so it commutes with the max); a chunk without a special id has one cap for all
+    its ids (0 or `NEG_INF`, and a log-probability is at most 0), so its capped max is
+    `min(max, cap)`, and only the special chunks are capped id by id. The `beam` best chunks
     (ties to the lower chunk) hold the `beam` best candidates (each chunk ranked above a
-    candidate's chunk holds a candidate ranked above it); taken in index order, their `beam *
-    c` candidates give `TopK` the same values and the same order among ties as the whole row."""
+    candidate's chunk holds a candidate ranked above it); taken in index order and capped id
+    by id, their `beam * c` candidates give `TopK` the same values and the same order among
+    ties as the whole row."""
     expanded = ops.unsqueeze(alive_log_probs, [2])
     top = ops.const([beam], np.int64)
-    chunk = chunk_size(vocab)
-    if chunk is None:
-        candidates = ops.reshape(ops._arith("Add", expanded, log_probs), (-1, beam * vocab))
+    chunk, chunks = caps.chunk, caps.chunks
+    if chunks == 1:  # no chunks: the whole row capped, one `TopK`
+        capped = ops.minimum(
+            ops.reshape(log_probs, (-1, beam, chunk)), ops.take(ops.const(caps.by_id), index)
+        )
+        candidates = ops.reshape(ops._arith("Add", expanded, capped), (-1, beam * chunk))
         return ops.node("TopK", [candidates, top], (np.float32, np.int64), (2, 2), outputs=2, axis=-1)
-    chunks = vocab // chunk  # per beam
-    maxima = ops.max(ops.reshape(log_probs, (-1, beam, chunks, chunk)), axis=3)  # (sentences, beam, chunks)
+    by_chunk = ops.reshape(log_probs, (-1, beam, chunks, chunk))
+    maxima = ops.max(by_chunk, axis=3)  # (sentences, beam, chunks), before the caps
+    special = caps.special
+    first, last = special.start, special.stop
+    bounds = [ops.const([first], np.int64), ops.const([last], np.int64), ops.const([2], np.int64)]
+    special_ids = ops.node("Slice", [by_chunk, *bounds], np.float32, 4)
+    special_ids = ops.minimum(special_ids, ops.take(ops.const(caps.special_ids), index))
+    special_maxima = ops.node("ReduceMax", [special_ids], np.float32, 3, axes=[3], keepdims=0)
+    pads = ops.const([0, 0, first, 0, 0, chunks - last], np.int64)
+    special_maxima = ops.node("Pad", [special_maxima, pads, ops.const(np.float32(np.inf))], np.float32, 3)
+    maxima = ops.node(
+        "Min", [maxima, ops.take(ops.const(caps.by_chunk), index), special_maxima], np.float32, 3
+    )
     chunk_scores = ops.reshape(ops._arith("Add", expanded, maxima), (-1, beam * chunks))
     _, best = ops.node("TopK", [chunk_scores, top], (np.float32, np.int64), (2, 2), outputs=2, axis=-1)
     best, _ = ops.node(
@@ -395,6 +443,10 @@ def _top_candidates(ops, log_probs, alive_log_probs, beam, vocab, sentence_chunk
     )  # in index order
     rows = ops._arith("Add", best, sentence_chunks)
     values = ops.rows(ops.reshape(log_probs, (-1, chunk)), rows)  # (sentences, beam, chunk)
+    id_caps = ops.take(
+        ops.const(caps.by_id), ops._arith("Add", index, ops._arith("Mod", best, np.int64(chunks)))
+    )
+    values = ops.minimum(values, id_caps)
     origin = ops._arith("Div", best, np.int64(chunks))  # each chunk's beam
     alive = ops.node("GatherElements", [alive_log_probs, origin], np.float32, 2, axis=1)
     alive = ops.unsqueeze(alive, [2])
@@ -503,8 +555,10 @@ def lean_translate_graph(encoder, decoder_step, config, decoding, blank):
     most_final = stage.squeeze(size, [0]) - enough
     beam_rows = stage.unsqueeze(stage.arange(size, np.int64), [1])
     pool_rows = beam_rows * np.int64(2 * beam)
-    chunk = chunk_size(vocab)
-    sentence_chunks = beam_rows * np.int64(beam * (vocab // chunk)) if chunk else None
+    ids = np.arange(vocab)
+    never = np.isin(ids, [config[name] for name in policy.NEVER_OUTPUT])
+    chunk_caps = _ChunkCaps(policy.output_cap_rows(never, ids == eos, 2, np.float32), chunk_size(vocab))
+    sentence_chunks = beam_rows * np.int64(beam * chunk_caps.chunks)
     beam_rows = beam_rows * np.int64(beam)
     stage_pool_shape = stage.concat([size, stage.const([beam], np.int64), max_len64], axis=0)
     stage_limits = now["limits"]
@@ -512,6 +566,9 @@ def lean_translate_graph(encoder, decoder_step, config, decoding, blank):
     # Each sentence's row of the output caps at each step (max_len, sentences), once a stage.
     steps_column = stage.unsqueeze(positions, [1])
     cap_rows_by_step = policy.output_cap_row(steps_column, stage_limits, min_length, stage)
+    cap_rows_by_step = stage.unsqueeze(
+        stage.cast(cap_rows_by_step, np.int64) * np.int64(chunk_caps.chunks), [2]
+    )
 
     # One step of every searched sentence's beam.
     step_state = {key: now[key] for key in ["step", "last", *STEP_STATE, *caches]}
@@ -526,16 +583,16 @@ def lean_translate_graph(encoder, decoder_step, config, decoding, blank):
     stage_values = {now["memory_mask"].name, *(now[name].name for name in crosses)}
     body.nodes.extend(_hoist_invariants(decoder_graph, stage_values, stage))
     body.initializers.extend(decoder_graph.initializer)
-    log_probs = body.reshape(Tensor(body, "dec/log_probs", np.float32, 2), (-1, beam, vocab))
-    ids = np.arange(vocab)
-    never = np.isin(ids, [config[name] for name in policy.NEVER_OUTPUT])
-    # policy.constrain: each sentence's row of the caps' table (policy.output_cap_rows), from the
-    # stage's table of rows per step: two `Gather`s a step.
-    cap_rows = body.const(policy.output_cap_rows(never, ids == eos, 3, np.float32))
-    caps = body.take(cap_rows, body.take(cap_rows_by_step, step64, axis=0), axis=0)
-    log_probs = body.minimum(log_probs, caps)
+    # policy.constrain: each sentence's row of the caps' tables (`_ChunkCaps`), from the stage's
+    # table of rows per step.
     top_log_probs, top_index = _top_candidates(
-        body, log_probs, carried["alive_log_probs"], beam, vocab, sentence_chunks
+        body,
+        Tensor(body, "dec/log_probs", np.float32, 2),
+        carried["alive_log_probs"],
+        beam,
+        chunk_caps,
+        body.take(cap_rows_by_step, step64, axis=0),
+        sentence_chunks,
     )
     origin = body._arith("Div", top_index, np.int64(vocab))  # which live hypothesis each extends
     tokens = body.cast(body.node("Mod", [top_index, body.const(vocab, np.int64)], np.int64, 2), np.int32)

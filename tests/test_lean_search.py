@@ -140,7 +140,7 @@ def test_fewer_nodes_per_step_than_translate_onnx(onnx_dir, import_script):
     decoder = onnx.load(os.path.join(onnx_dir, "decoder_step.onnx")).graph
     full = main_body(onnx.load(os.path.join(onnx_dir, "translate.onnx")))
     search_nodes = sum(node.name.startswith("lean/step/") for node in lean.node)
-    assert search_nodes <= 80, search_nodes  # the search's own nodes per step
+    assert search_nodes <= 90, search_nodes  # the search's own nodes per step
     assert len(lean.node) - search_nodes <= len(decoder.node)
     assert len(lean.node) < len(full.node) - 100, (len(lean.node), len(full.node))
 
@@ -221,36 +221,44 @@ def test_output_cap_rows_hold_output_caps_of_every_state(rank):
 
 
 @pytest.mark.parametrize("vocab", [300, 8000, 101])  # chunks of 15, of 80, none (a prime)
-@pytest.mark.parametrize("seed", [0, 1])
-def test_top_candidates_by_chunks_are_the_top_k_of_all_candidates(vocab, seed):
-    """`_top_candidates` ranks chunks first: the same values and flat indices, in the same order,
-    as one `TopK` over all `beam * vocab` candidates (value descending, ties to the lower index),
-    with many ties (values from a coarse grid), impossible ids (`NEG_INF`) and dead beams."""
-    from keras_transformer_export.lean_search import _top_candidates, chunk_size
+@pytest.mark.parametrize("seed, step", [(0, 4), (1, 7)])  # before min_length; after it
+def test_top_candidates_by_chunks_are_the_top_k_of_all_constrained_candidates(vocab, seed, step):
+    """`_top_candidates` ranks chunks first and caps only the chunks that hold a special id id
+    by id: the same values and flat indices, in the same order, as one `TopK` over all `beam *
+    vocab` candidates of `policy.constrain`'s log-probabilities (value descending, ties to the
+    lower index), with many ties (values from a coarse grid), sentences in each of the caps'
+    states (before `min_length`, at the last step), and dead beams."""
+    from keras_transformer_export.lean_search import _ChunkCaps, _top_candidates, chunk_size
 
     rng = np.random.default_rng(seed)
-    sentences, beam = 6, 4
-    log_probs = (-rng.integers(0, 12, size=(sentences, beam, vocab)) / 4).astype(np.float32)
-    log_probs[:, :, [0, 2]] = policy.NEG_INF  # never output
-    log_probs[1, :, 4:] = policy.NEG_INF  # a sentence at its last step: EOS (id 3) alone allowed
+    sentences, beam, eos = 6, 4, 3
+    log_probs = (-rng.integers(0, 12, size=(sentences * beam, vocab)) / 4).astype(np.float32)
     alive = (-rng.integers(0, 3, size=(sentences, beam)) / 2).astype(np.float32)
     alive[2, 1:] = policy.NEG_INF  # the first step: one live beam
     alive[3, 2] = policy.NEG_INF  # a beam whose hypothesis finished
     alive[4] = alive[4, 0]  # every beam equal: ties across beams
+    ids = np.arange(vocab)
+    never, is_eos = np.isin(ids, [0, 2]), ids == eos
+    min_length = 6
+    limits = np.array([20, 5, 20, 20, 9, 20], np.int32)  # sentence 1 at its last step
+    caps = _ChunkCaps(policy.output_cap_rows(never, is_eos, 2, np.float32), chunk_size(vocab))
+    states = policy.output_cap_row(step, limits, min_length, np)
+    assert set(states.tolist()) == {1 if step < min_length - 1 else 0, 2}  # and one at its last step
 
     ops = OnnxOps("t/")
-    chunk = chunk_size(vocab)
-    starts = None
-    if chunk:
-        starts = ops.const((np.arange(sentences) * beam * (vocab // chunk))[:, None], np.int64)
-    t = {"log_probs": Tensor(ops, "log_probs", np.float32, 3), "alive": Tensor(ops, "alive", np.float32, 2)}
-    values, index = _top_candidates(ops, t["log_probs"], t["alive"], beam, vocab, starts)
-    names = {"log_probs": (np.float32, 3), "alive": (np.float32, 2)}
-    got_values, got_index = _run(ops, names, [values, index], {"log_probs": log_probs, "alive": alive})
+    t = {"log_probs": Tensor(ops, "log_probs", np.float32, 2), "alive": Tensor(ops, "alive", np.float32, 2)}
+    index = ops.const((states * caps.chunks)[:, None], np.int64)
+    starts = ops.const((np.arange(sentences) * beam * caps.chunks)[:, None], np.int64)
+    values, flat = _top_candidates(ops, t["log_probs"], t["alive"], beam, caps, index, starts)
+    names = {"log_probs": (np.float32, 2), "alive": (np.float32, 2)}
+    got_values, got_index = _run(ops, names, [values, flat], {"log_probs": log_probs, "alive": alive})
 
-    candidates = (alive[:, :, None] + log_probs).reshape(sentences, -1)
-    flat = np.arange(beam * vocab)
-    want_index = np.stack([np.lexsort((flat, -row))[:beam] for row in candidates])
+    constrained = policy.constrain(
+        log_probs.reshape(sentences, beam, vocab), step, limits, never, is_eos, min_length, np
+    )
+    candidates = (alive[:, :, None] + constrained).reshape(sentences, -1)
+    order = np.arange(beam * vocab)
+    want_index = np.stack([np.lexsort((order, -row))[:beam] for row in candidates])
     np.testing.assert_array_equal(got_index, want_index)
     np.testing.assert_array_equal(got_values, np.take_along_axis(candidates, want_index, axis=1))
-    assert (chunk is None) == (vocab == 101)
+    assert (caps.chunks == 1) == (vocab == 101)
