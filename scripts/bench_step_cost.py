@@ -19,6 +19,8 @@ The number of steps the beam search runs per sentence is counted by the NumPy dr
 (`SplitBeamSearch`, the same stopping rule). Each row runs all sentences back to back, one row
 after the other (a session's idle threads would slow the next one), `--rounds` times; the
 medians are printed and written to `--json`. ms per step = ms per sentence / steps per sentence.
+With `--ct2`, each row's speed against CTranslate2 is the median over rounds of the ratio
+within a round (the machine's speed can change between rounds).
 
     python scripts/bench_step_cost.py EXPORT_DIR --data-dir ../shared/data/multi30k \\
         [--split val] [--limit 60] [--rounds 5] [--ct2 CT2_DIR] [--json results/step_cost.json]
@@ -171,21 +173,29 @@ def main():
             took = run()  # the seconds it timed itself (a worker process, two phases), or None
             seconds[name].append(took if took is not None else time.perf_counter() - tick)
     per_step = sum(steps) / len(steps)
+    ct2 = next((values for name, values in seconds.items() if name.startswith("CTranslate2")), None)
     table, report_rows = [], {}
     for name, values in seconds.items():
         ms = 1000 * statistics.median(values) / len(sources)
         step_ms = None if name.startswith("CTranslate2") else ms / per_step  # its steps are its own
+        # Against CTranslate2 within each round (the rows of a round run back to back: closer to
+        # side by side than two medians when the machine's speed changes between rounds).
+        ratio = None if ct2 is None else statistics.median(c / v for c, v in zip(ct2, values))
         report_rows[name] = {
             "ms_per_sentence": ms,
             "ms_per_step": step_ms,
             "ms_per_sentence_rounds": [1000 * v / len(sources) for v in values],
+            "speed_vs_ctranslate2_per_round_median": ratio,
         }
         table.append([name, f"{ms:.2f}", "" if step_ms is None else f"{step_ms:.3f}"])
+        if ct2 is not None:
+            table[-1].append(f"{ratio:.3f}x")
     print(
         f"\n{len(sources)} {args.split} sentences at batch 1, {per_step:.1f} search steps each, "
         f"{args.threads} threads, median of {args.rounds} rounds:\n"
     )
-    harness.print_table(["graph", "ms per sentence", "ms per step"], table)
+    columns = ["graph", "ms per sentence", "ms per step"]
+    harness.print_table(columns + (["speed vs CTranslate2 (median of rounds)"] if ct2 else []), table)
     with open(os.path.join(args.export_dir, "export.json"), encoding="utf-8") as handle:
         kernels = json.load(handle).get("kernels")
     harness.write_report(
