@@ -368,10 +368,11 @@ def chunk_size(vocab):
 
 class _ChunkCaps:
     """`policy.constrain`'s caps (`policy.output_cap_rows`: a row per sentence state) laid out
-    for `_top_candidates`: per chunk of `chunk` ids, and for the chunks holding a special id
-    (`special`: the ids whose cap is not the same in all of their chunk's ids) per id. A step
-    reads them with `index` `(sentences, 1)` int64: `state * chunks` (`chunks = vocab /
-    chunk`; 1 and the whole vocabulary when `chunk` is None)."""
+    for `_top_candidates`: one cap per chunk of `chunk` ids (`by_chunk`), and id by id (`by_id`;
+    `special_ids` for the chunks of `special`: the range from the first to the last chunk whose
+    ids do not all have the same cap in every state, i.e. that hold a special id). A step reads
+    them with `index` `(sentences, 1)` int64: `state * chunks` (`chunks = vocab / chunk`; 1, and
+    chunks of the whole vocabulary, when `chunk` is None)."""
 
     def __init__(self, cap_rows, chunk):
         states, vocab = cap_rows.shape
