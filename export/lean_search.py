@@ -316,15 +316,24 @@ def _hoist_invariants(graph, outer, ops):
     left in `graph` reads them too). In the fused step: the source mask's int32 form and the
     cross-attentions' query shape, computed once per stage instead of once per step."""
     constants = {init.name: init for init in graph.initializer}
-    invariant, hoisted, kept = set(outer), [], []
+    invariant, staged, hoisted = set(outer), set(outer), []
     for node in graph.node:
         reads = [name for name in node.input if name]
         subgraphs = any(a.type in (AttributeProto.GRAPH, AttributeProto.GRAPHS) for a in node.attribute)
         if reads and not subgraphs and all(name in invariant or name in constants for name in reads):
             hoisted.append(node)
             invariant.update(node.output)
-        else:
-            kept.append(node)
+            if any(name in staged for name in reads):
+                staged.update(node.output)  # computed from the stage's values
+    # A node of constants alone stays in the step unless a hoisted node of the stage's values
+    # reads it: ONNX Runtime folds it into a constant when it loads the graph, where hoisted its
+    # constants would be copied into the stage (the int8 embedding's `Transpose(Qᵀ)`: 1 MB).
+    needed = set()
+    for node in reversed(hoisted):
+        if any(name in staged for name in node.output) or any(name in needed for name in node.output):
+            needed.update(node.input)
+    hoisted = [node for node in hoisted if any(name in staged or name in needed for name in node.output)]
+    kept = [node for node in graph.node if node not in hoisted]
     still_read = {name for node in kept for name in node.input}
     moved = {}
     for name in dict.fromkeys(name for node in hoisted for name in node.input if name in constants):

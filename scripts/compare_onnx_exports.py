@@ -1,12 +1,15 @@
-"""Two `translate.onnx` exports of one model, side by side: the same translations and scores?
-And how long each takes (ONNX Runtime, `OnnxTranslator`), timed in alternation in one process.
+"""Two `translate.onnx` (or `translate_lean.onnx`) exports of one model, side by side: the same
+translations and scores? And how long each takes (ONNX Runtime, `OnnxTranslator`), timed in
+alternation in one process.
 
 For a change to the exported graph that must not change any token (a rewrite, a cheaper
 formulation of a rule): export the model before and after, then
 
     python scripts/compare_onnx_exports.py BEFORE_DIR AFTER_DIR [--data-dir DIR]
         [--split test2016] [--batch 32] [--single 100] [--rounds 2] [--threads 2]
-        [--json results/compare_onnx_exports.json]
+        [--mode full|lean] [--json results/compare_onnx_exports.json]
+
+`--mode lean` compares the exports' `translate_lean.onnx` (`OnnxTranslator(mode="lean")`).
 
 prints how many of the split's translations are identical, the largest score difference, and
 the seconds per pass at `--batch` sentences per call (all of the split) and one sentence per
@@ -43,10 +46,11 @@ def main():
     parser.add_argument("--single", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--mode", choices=("full", "lean"), default="full", help="the graph compared")
     args = parser.parse_args()
     sentences = harness.sentences(args)
     translators = {
-        name: OnnxTranslator(path, "full", threads=args.threads)
+        name: OnnxTranslator(path, args.mode, threads=args.threads)
         for name, path in (("before", args.before), ("after", args.after))
     }
     # The compared outputs; this first pass is also each session's warm-up before the timing.

@@ -25,6 +25,7 @@ from keras_transformer_export.graph_rewrites import (
     read_transposed_weights,
     select_with_where,
 )
+from keras_transformer_export.lean_search import step_body
 from keras_transformer_export.onnx_runtime import OnnxTranslator
 from keras_transformer_export.quantization import (
     BleuGate,
@@ -287,6 +288,36 @@ def test_tied_embedding_is_stored_once_in_float32_and_in_int8(int8_export, conve
     assert _vocabulary_matrices(int8, vocab) == [((width, vocab), "int8")]
     scales = [init for init in int8.graph.initializer if init.name.endswith("/row_scales")]
     assert [(tuple(s.dims), s.data_type) for s in scales] == [((vocab,), TensorProto.FLOAT)]
+
+
+def test_int8_lookup_reads_rows_of_a_table_onnx_runtime_folds_and_the_file_holds_once(int8_export, converted):
+    """The int8 lookups gather rows (axis 0) of `Transpose(Qᵀ)`, a constant ONNX Runtime folds
+    when it loads the graph (no `Transpose` is left to run in the step), and `translate_lean.onnx`
+    keeps that node in its step rather than copy `Qᵀ` into the stage (`_hoist_invariants`: 1 MB
+    more on the `mini` model)."""
+    config = json.loads((converted / "export.json").read_text())["model"]
+    vocab, width = config["vocab_size"], config["d_model"]
+    # The lean graph holds the encoder's and the step's (the two graphs it is built from), no more.
+    for stem, copies in (("decoder_step", 1), ("translate_lean", 2)):
+        model = onnx.load(str(int8_export / f"{stem}.onnx"))
+        assert _vocabulary_matrices(model, vocab) == [((width, vocab), "int8")] * copies, stem
+        graphs = list(all_graphs(model.graph))
+        made_by = {name: node for graph in graphs for node in graph.node for name in node.output}
+        lookups = [
+            node
+            for graph in graphs
+            for node in graph.node
+            if node.op_type == "Gather" and made_by.get(node.input[0], node).op_type == "Transpose"
+        ]
+        assert lookups and all(not node.attribute or node.attribute[0].i == 0 for node in lookups), stem
+    options = onnxruntime.SessionOptions()
+    options.optimized_model_filepath = str(int8_export.parent / "lean_optimized.onnx")
+    onnxruntime.InferenceSession(
+        str(int8_export / "translate_lean.onnx"), options, providers=["CPUExecutionProvider"]
+    )
+    optimized = step_body(onnx.load(options.optimized_model_filepath))
+    assert not [node for node in optimized.node if node.op_type == "Transpose" and "int8" in node.input[0]]
+    assert [node for node in optimized.node if node.op_type == "Gather" and "int8" in node.input[0]]
 
 
 def test_int8_graphs_translate_in_every_mode(int8_export, synthetic_files):
