@@ -311,9 +311,10 @@ def _loop(ops, name, trips, condition, carried, body, outputs_hint):
 
 def _hoist_invariants(graph, outer, ops):
     """`graph`'s nodes less those that read only `outer` values (the stage's, the same at every
-    step), constants and each other: those are appended to `ops` (the enclosing graph, before
-    its `Loop`) with the constants they read (moved, or copied under another name where a node
-    left in `graph` reads them too). In the fused step: the source mask's int32 form and the
+    step), constants and each other, and depend on an `outer` value (or feed one that does):
+    those are appended to `ops` (the enclosing graph, before its `Loop`) with the constants they
+    read (moved, or copied under another name where a node left in `graph` reads them too). In
+    the fused step: the source mask's int32 form and the
     cross-attentions' query shape, computed once per stage instead of once per step."""
     constants = {init.name: init for init in graph.initializer}
     invariant, staged, hoisted = set(outer), set(outer), []
