@@ -576,9 +576,10 @@ def lean_translate_graph(encoder, decoder_step, config, decoding, blank):
     stage_limits_float = stage.cast(stage_limits, np.float32)
     # Each sentence's row of the output caps at each step (max_len, sentences), once a stage.
     steps_column = stage.unsqueeze(positions, [1])
-    cap_rows_by_step = policy.output_cap_row(steps_column, stage_limits, min_length, stage)
-    cap_rows_by_step = stage.unsqueeze(
-        stage.cast(cap_rows_by_step, np.int64) * np.int64(chunk_caps.chunks), [2]
+    states_by_step = policy.output_cap_row(steps_column, stage_limits, min_length, stage)
+    # ... as the row index of `chunk_caps`' tables, `state * chunks` (max_len, sentences, 1).
+    cap_index_by_step = stage.unsqueeze(
+        stage.cast(states_by_step, np.int64) * np.int64(chunk_caps.chunks), [2]
     )
 
     # One step of every searched sentence's beam.
@@ -602,7 +603,7 @@ def lean_translate_graph(encoder, decoder_step, config, decoding, blank):
         carried["alive_log_probs"],
         beam,
         chunk_caps,
-        body.take(cap_rows_by_step, step64, axis=0),
+        body.take(cap_index_by_step, step64, axis=0),
         sentence_chunks,
     )
     origin = body._arith("Div", top_index, np.int64(vocab))  # which live hypothesis each extends
