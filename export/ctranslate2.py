@@ -62,6 +62,7 @@ from keras_transformer.decoding.alignments import word_alignment
 from keras_transformer.decoding.controls import DecodingOptions, Hypothesis
 from keras_transformer.utils.checks import UserError
 from keras_transformer_export.layout import atomic_directory
+from keras_transformer_export.request_pieces import encode_each
 
 QUANTIZATIONS = ("float32", "int8")
 SETTINGS_FILE = "export.json"
@@ -330,7 +331,7 @@ class CTranslate2Translator:
     def tokenize(self, sentences):
         """Pieces of each sentence, truncated to `max_length - 1` (EOS is added by CTranslate2)."""
         return [
-            pieces[: self.max_length - 1] for pieces in self.processor.encode(list(sentences), out_type=str)
+            pieces[: self.max_length - 1] for pieces in encode_each(self.processor, sentences, out_type=str)
         ]
 
     def translate_tokens(self, tokens):
@@ -436,8 +437,9 @@ class CTranslate2Translator:
         tokens = self.tokenize(sentences)
         prefixes = None
         if target_prefix is not None:
-            prefixes = self.processor.encode(["" if p is None else p for p in target_prefix], out_type=str)
-        sequences = self.processor.encode(list(suppress_sequences or []), out_type=str)
+            texts = ["" if p is None else p for p in target_prefix]
+            prefixes = encode_each(self.processor, texts, out_type=str)
+        sequences = encode_each(self.processor, suppress_sequences or [], out_type=str)
         blank = policy.blank_ids(self.processor.id_to_piece, self.processor.get_piece_size())
         content = [
             i

@@ -36,6 +36,7 @@ import sys
 import numpy as np
 
 from keras_transformer_export.cache_names import cross_names, past_names, present_names
+from keras_transformer_export.request_pieces import encode_each
 
 
 def _decoding_module(name):
@@ -603,7 +604,7 @@ class OnnxTranslator:
         config = self.config
         pieces = [
             ids[: config["max_length"] - 1] + [config["eos_id"]]
-            for ids in self.processor.encode(list(sentences))
+            for ids in encode_each(self.processor, sentences)
         ]
         source_ids = np.full((len(pieces), max(map(len, pieces), default=1)), config["pad_id"], np.int32)
         for row, ids in enumerate(pieces):
@@ -637,7 +638,7 @@ class OnnxTranslator:
 
     def _batches(self, sentences):
         """Index arrays of the batches, sentences sorted by length (less padding)."""
-        order = np.argsort([len(ids) for ids in self.processor.encode(sentences)], kind="stable")
+        order = np.argsort([len(ids) for ids in encode_each(self.processor, sentences)], kind="stable")
         return [order[start : start + self.batch_size] for start in range(0, len(order), self.batch_size)]
 
     def translate_hypotheses(self, sentences, target_prefix=None, suppress_sequences=None, **options):
@@ -657,10 +658,10 @@ class OnnxTranslator:
             raise ValueError(
                 f"target_prefix must be a list with one string (or None) per sentence: {len(sentences)}."
             )
-        prefixes = self.processor.encode(
-            ["" if p is None else p for p in target_prefix or [None] * len(sentences)]
+        prefixes = encode_each(
+            self.processor, ["" if p is None else p for p in target_prefix or [None] * len(sentences)]
         )
-        sequences = self.processor.encode(list(suppress_sequences or []))
+        sequences = encode_each(self.processor, suppress_sequences or [])
         rules.check_token_lists("target_prefix", prefixes, vocab, reserved)
         rules.check_token_lists("suppress_sequences", sequences, vocab, reserved)
         results = [None] * len(sentences)
