@@ -1,5 +1,5 @@
 """`translate.onnx` with ONNX Runtime's fused CPU kernels: `export --onnx-kernels fused`
-(fusions 2 and 3 below; 1 is measured slower at the recipe's width and left to `fusions=`).
+(fusion 2 below; 1 and 3 are measured slower at the recipe's width and left to `fusions=`).
 
 The portable graph (`keras_transformer_export.graph_rewrites.simplify`) uses standard ONNX ops
 only, so any ONNX runtime runs it; per decoding step each decoder layer is ~40 kernels, and
@@ -49,10 +49,13 @@ from keras_transformer_export.graph_rewrites import (
 DOMAIN = "com.microsoft"
 KERNELS = ("portable", "fused")
 FUSIONS = ("self_attention", "cross_attention", "skip_layer_norm")  # 1, 2, 3 above
-# What `export --onnx-kernels fused` writes: 2 and 3. On the 3+3 `mini` model (AMD EPYC, 2
-# threads, test2016) the self-attention kernel made the step slower than our nodes: batch 1
-# 1.05x and batch 32 0.98x of the portable graph with all three, 1.16x and 0.99x without it.
-DEFAULT_FUSIONS = ("cross_attention", "skip_layer_norm")
+# What `export --onnx-kernels fused` writes: 2. On the 3+3 `mini` model (AMD EPYC, 2 threads,
+# test2016) the self-attention kernel made the step slower than our nodes: batch 1 1.05x and
+# batch 32 0.98x of the portable graph with all three, 1.16x and 0.99x without it. And ONNX
+# Runtime 1.32's `SkipLayerNormalization` is a scalar loop with a division per element: on the
+# same model's lean graph (2-core Intel Xeon, ad hoc, interleaved, 5 passes) the step with `Add` +
+# `LayerNormalization` instead ran batch 32 at 1.07x (float32) and 1.11x (int8), batch 1 level.
+DEFAULT_FUSIONS = ("cross_attention",)
 # What makes a sublayer's output before its bias (fusion 3): a float product, or an int8 one
 # scaled back to float (`MatMulInteger` -> `Cast` -> `Mul` by the two scales).
 PRODUCTS = ("MatMul", "Mul")

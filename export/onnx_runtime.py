@@ -71,9 +71,10 @@ def read_metadata(export_dir):
         return json.load(handle)
 
 
-def make_session(path, threads=None):
+def make_session(path, threads=None, disabled_optimizers=()):
     """An `onnxruntime.InferenceSession` for `path` (or an `onnx.ModelProto`), with
-    onnxruntime-extensions when it needs them.
+    onnxruntime-extensions when it needs them, without ONNX Runtime's graph optimizers named in
+    `disabled_optimizers`.
 
     Note: in a process that has imported TensorFlow, creating a session that
     uses the extensions' SentencePiece ops crashed (SIGSEGV) with
@@ -97,7 +98,12 @@ def make_session(path, threads=None):
         import onnxruntime_extensions
 
         options.register_custom_ops_library(onnxruntime_extensions.get_library_path())
-    return onnxruntime.InferenceSession(model_bytes, options, providers=["CPUExecutionProvider"])
+    return onnxruntime.InferenceSession(
+        model_bytes,
+        options,
+        providers=["CPUExecutionProvider"],
+        disabled_optimizers=list(disabled_optimizers) or None,
+    )
 
 
 class SplitBeamSearch:

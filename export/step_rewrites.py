@@ -66,6 +66,8 @@ SHAPE_ARITHMETIC = frozenset(
 POSITION = "/by_gather"
 # `Shape(past_key_0)`'s axis that holds the number of positions decoded so far.
 CACHE_LENGTH_AXIS = 2
+# ONNX Runtime's optimizers that `verified` leaves out (its docstring).
+UNSEEN_FUSIONS = ("SkipLayerNormFusion",)
 
 
 def leaner_step(model):
@@ -516,13 +518,19 @@ def split_heads_once(model):
 
 def verified(before, after, seed=0):
     """Whether ONNX Runtime gives bitwise the same outputs for the steps `before` and `after` on
-    random inputs: 3 sentences of 2 beams (6 rows), cache lengths 0 and 5, 7 source positions."""
+    random inputs: 3 sentences of 2 beams (6 rows), cache lengths 0 and 5, 7 source positions.
+
+    Without ONNX Runtime's `SkipLayerNormFusion`: it makes an `Add` + `LayerNormalization` one
+    `SkipLayerNormalization` (other bits) only in a graph's main body and only for `(rows, 1,
+    width)` tensors with known shapes, so the converted step alone would be compared in bits that
+    no search runs: inside the searches' `Loop` bodies, where the step runs, ONNX Runtime leaves
+    the two nodes as they are, and the rewritten step has matrices."""
     from keras_transformer_export.onnx_runtime import make_session
 
     rng = np.random.default_rng(seed)
     try:
         onnx.checker.check_model(after)
-        sessions = [make_session(model, 1) for model in (before, after)]
+        sessions = [make_session(model, 1, UNSEEN_FUSIONS) for model in (before, after)]
         for cache_length in (0, 5):
             feeds = random_feeds(before.graph, rng, 3, 2, cache_length, source_length=7)
             results = [session.run(None, feeds) for session in sessions]
