@@ -127,6 +127,7 @@ def quantize_embeddings(model):
             position = list(graph.node).index(node)
             graph.node.remove(node)
             for offset, new in enumerate(nodes):
+                new.name = new.output[0]  # named after the value it makes: a profile tells them apart
                 graph.node.insert(position + offset, new)
     return model
 

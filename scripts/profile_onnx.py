@@ -94,7 +94,15 @@ def part_of(name, op_type, in_step=True):
         return "embedding"
     if "decoder" in name:
         return "decoder layers"
-    if op_type in ("Gemm", "LogSoftmax", "MatMulInteger", "DynamicQuantizeLinear"):
+    if op_type in (
+        "Gemm",
+        "LogSoftmax",
+        "MatMulInteger",
+        "DynamicQuantizeLinear",
+        # ONNX Runtime's fusions of the int8 projection (DynamicQuantizeLinear + MatMulInteger + scale)
+        "DynamicQuantizeMatMul",
+        "MatMulIntegerToFloat",
+    ):
         return "output projection + log-softmax"
     return "search"
 
