@@ -607,11 +607,12 @@ class OnnxTranslator:
 
     def encode(self, sentences):
         """Strings -> source ids `(batch, len_src)`: pieces truncated to max_length - 1, EOS, padding."""
+        return self._source_ids(encode_each(self.processor, sentences))
+
+    def _source_ids(self, sentence_pieces):
+        """`encode` of the sentences' SentencePiece ids."""
         config = self.config
-        pieces = [
-            ids[: config["max_length"] - 1] + [config["eos_id"]]
-            for ids in encode_each(self.processor, sentences)
-        ]
+        pieces = [ids[: config["max_length"] - 1] + [config["eos_id"]] for ids in sentence_pieces]
         source_ids = np.full((len(pieces), max(map(len, pieces), default=1)), config["pad_id"], np.int32)
         for row, ids in enumerate(pieces):
             source_ids[row, : len(ids)] = ids
@@ -636,15 +637,15 @@ class OnnxTranslator:
 
     def _translate_text(self, sentences):
         texts, scores = [""] * len(sentences), np.zeros(len(sentences), np.float32)
-        for indices in self._batches(sentences):
+        for indices in self._batches(encode_each(self.processor, sentences)):
             batch_texts, batch_scores = self.search([sentences[i] for i in indices])
             for index, text, score in zip(indices, batch_texts, batch_scores):
                 texts[index], scores[index] = text, score
         return texts, scores
 
-    def _batches(self, sentences):
-        """Index arrays of the batches, sentences sorted by length (less padding)."""
-        order = np.argsort([len(ids) for ids in encode_each(self.processor, sentences)], kind="stable")
+    def _batches(self, sentence_pieces):
+        """Index arrays of the batches, sentences sorted by their number of pieces (less padding)."""
+        order = np.argsort([len(ids) for ids in sentence_pieces], kind="stable")
         return [order[start : start + self.batch_size] for start in range(0, len(order), self.batch_size)]
 
     def translate_hypotheses(self, sentences, target_prefix=None, suppress_sequences=None, **options):
@@ -671,8 +672,9 @@ class OnnxTranslator:
         rules.check_token_lists("target_prefix", prefixes, vocab, reserved)
         rules.check_token_lists("suppress_sequences", sequences, vocab, reserved)
         results = [None] * len(sentences)
-        for indices in self._batches(sentences):
-            source_ids = self.encode([sentences[i] for i in indices])
+        sentence_pieces = encode_each(self.processor, sentences)  # once: the batches' order and ids
+        for indices in self._batches(sentence_pieces):
+            source_ids = self._source_ids([sentence_pieces[i] for i in indices])
             prefix = [prefixes[i] for i in indices]
             rules.check_prefix_lengths(
                 list(map(len, prefix)), np.sum(source_ids != config["pad_id"], axis=1).tolist(),
