@@ -26,6 +26,7 @@ EXPORTS = {
     **dict.fromkeys(
         [
             "ATTENTION_MODES",
+            "CacheHistory",
             "Decoder",
             "DecoderLayer",
             "DecodingCache",

@@ -4,6 +4,7 @@ import tensorflow as tf
 
 import keras_transformer as kt
 from keras_transformer.decoding import search as search_module
+from keras_transformer.layers import multi_head_attention as mha_module
 
 
 def _reversed_with_eos(source, eos_id=3):
@@ -263,9 +264,9 @@ def test_finished_sentences_leave_the_batch(reverse_model, monkeypatch):
     rows = []
     decode_step = type(model).decode_step
 
-    def counting(self, token_ids, *args):
+    def counting(self, token_ids, *args, **kwargs):
         rows.append(int(token_ids.shape[0]))
-        return decode_step(self, token_ids, *args)
+        return decode_step(self, token_ids, *args, **kwargs)
 
     monkeypatch.setattr(type(model), "decode_step", counting)
     growing = kt.beam_search(model, sources, beam_size=2, cache_policy="growing")
@@ -285,17 +286,30 @@ def test_finished_sentences_leave_the_batch(reverse_model, monkeypatch):
 
 @pytest.mark.parametrize("search", ["greedy", "beam"])
 def test_a_fixed_cache_steps_over_its_first_block_alone(reverse_model, search, monkeypatch):
-    """The steps before position `FIXED_CACHE_BLOCK` decode against that many cache positions;
-    the later ones against all (source length + 50), with the same tokens as the growing cache."""
+    """The steps before position `FIXED_CACHE_BLOCK` read that many cache positions; the later
+    ones all (source length + 50), with the same tokens as the growing cache. Greedy search
+    splits its cache (the early steps get the first block alone); a beam search keeps the whole
+    cache, never reordered, and reads it through each row's history."""
     monkeypatch.setattr(search_module, "FIXED_CACHE_BLOCK", 3)
     model = reverse_model.model
     sources = _unseen_sources(4, seed=47)
-    sizes = []
+    max_len = min(sources.shape[1] + 50, model.config.max_length)  # the cache's positions
+    steps, read = [], []
     decode_step = type(model).decode_step
+    rows_by_position = mha_module.rows_by_position
 
-    def recording(self, token_ids, step, cache, memory_mask):
-        sizes.append((int(step), int(cache.self_key[0].shape[2])))
-        return decode_step(self, token_ids, step, cache, memory_mask)
+    def recording(self, token_ids, step, cache, memory_mask, cache_history=None):
+        size = int(cache.self_key[0].shape[2])
+        steps.append((int(step), size))
+        assert (cache_history is None) == (search == "greedy")
+        if cache_history is not None:  # every position's row, for each of this step's rows
+            assert cache_history.block == 3 and size == max_len
+            assert tuple(cache_history.rows.shape) == (token_ids.shape[0], max_len)
+        return decode_step(self, token_ids, step, cache, memory_mask, cache_history)
+
+    def reading(tensor, rows):  # the positions a step's attention reads (a beam search's)
+        read.append((steps[-1][0], int(rows.shape[1])))
+        return rows_by_position(tensor, rows)
 
     def decode(policy):
         if search == "greedy":
@@ -304,11 +318,18 @@ def test_a_fixed_cache_steps_over_its_first_block_alone(reverse_model, search, m
 
     growing = decode("growing")
     monkeypatch.setattr(type(model), "decode_step", recording)
+    monkeypatch.setattr(mha_module, "rows_by_position", reading)
     fixed = decode("fixed")
     np.testing.assert_array_equal(fixed.ids, growing.ids)
-    max_len = min(sources.shape[1] + 50, model.config.max_length)  # the cache's positions
-    assert sizes[:3] == [(0, 3), (1, 3), (2, 3)]
-    assert len(sizes) > 3 and all(size == max_len for _, size in sizes[3:]), sizes
+    assert len(steps) > 3
+    if search == "greedy":
+        assert steps[:3] == [(0, 3), (1, 3), (2, 3)]
+        assert all(size == max_len for _, size in steps[3:]), steps
+        assert not read
+    else:  # keys and values of each layer: 2 * num_layers reads a step
+        per_step = 2 * model.config.num_decoder_layers
+        assert len(read) == per_step * len(steps)
+        assert all(length == (3 if step < 3 else max_len) for step, length in read), read
 
 
 def test_a_growing_cache_under_xla_is_refused_with_advice(reverse_model):

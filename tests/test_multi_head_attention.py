@@ -173,6 +173,37 @@ def test_queries_of_several_rows_per_cache_row_are_folded(mode):
     np.testing.assert_allclose(weights, expected_weights, atol=1e-6)
 
 
+@pytest.mark.parametrize("mode", kt.ATTENTION_MODES)
+@pytest.mark.parametrize("block", [None, 2, 3])
+def test_a_cache_read_through_row_histories_equals_the_reordered_cache(mode, block):
+    """`cache_rows`: each row reads each position from the cache row its history names, and the
+    cache is written in place, row by row; the same outputs as the cache gathered into that
+    order first (as a reordering beam search keeps it). Before position `cache_block` only the
+    first `cache_block` positions are read; the mask hides the rest either way."""
+    rng = np.random.default_rng(5)
+    rows, length, step = 6, 5, 2
+    layer = kt.MultiHeadAttention(num_heads=4, d_model=16, mode=mode)
+    x = rng.normal(size=(rows, 1, 16)).astype("float32")
+    cache = tuple(rng.normal(size=(rows, 4, length, 4)).astype("float32") for _ in range(2))
+    history = rng.integers(0, rows, size=(rows, length)).astype("int32")
+    history[:, step] = np.arange(rows)  # the step's own position is its own row
+    mask = kt.causal_mask(1, length, offset=step)
+    outputs, written = layer(
+        x, attention_mask=mask, cache=cache, cache_step=step, cache_rows=history, cache_block=block
+    )
+    expected_cache = tuple(np.array(t) for t in cache)
+    positions = np.arange(length)
+    reordered = tuple(t[history, :, positions].transpose(0, 2, 1, 3) for t in expected_cache)
+    expected, reordered_written = layer(x, attention_mask=mask, cache=reordered, cache_step=step)
+    np.testing.assert_allclose(outputs, expected, atol=1e-6)
+    for got, before, ordered in zip(written, cache, reordered_written):
+        got = np.asarray(got)
+        np.testing.assert_array_equal(np.delete(got, step, axis=2), np.delete(before, step, axis=2))
+        np.testing.assert_array_equal(got[:, :, step], np.asarray(ordered)[:, :, step])  # its own row
+    with pytest.raises(ValueError, match="cache_rows is for decoding"):
+        layer(x, attention_mask=mask, cache=cache, cache_step=step, cache_rows=history, return_weights=True)
+
+
 def test_cache_mistakes_are_reported():
     query, value, _ = _inputs()
     layer = kt.MultiHeadAttention(num_heads=4, d_model=16)

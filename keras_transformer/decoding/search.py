@@ -21,8 +21,9 @@ decoding_cache`):
   compiled; the live sentences move to the front, finished ones fill the
   rest), so the tail of a batch costs the rows it needs, within 2x. The
   steps before position `FIXED_CACHE_BLOCK` (32) read and write only the
-  cache's first 32 positions, and a beam search's reorder of the cache rows
-  is done by the next step as it writes (`_CachedDecoder`). Under XLA, a
+  cache's first 32 positions, and a beam search never reorders the cache:
+  each row reads its hypothesis's positions from the rows that wrote them
+  (`_CachedDecoder`). Under XLA, a
   beam search without controls finds each step's best candidates from the
   logits block by block, never writing the `(batch, beam, vocab)` scores
   (`_top_candidates_of_logits`).
@@ -63,6 +64,7 @@ from keras_transformer.decoding.policy import (
     output_limits,
     search_is_final,
 )
+from keras_transformer.layers.decoding_cache import CacheHistory
 from keras_transformer.layers.dropout import in_xla_computation
 from keras_transformer.layers.masks import padding_mask
 from keras_transformer.layers.portable_ops import argmax, gather_rows, write_at
@@ -766,70 +768,78 @@ class _DecoderState(NamedTuple):
     """`_CachedDecoder`'s loop state. A fixed cache of more than `FIXED_CACHE_BLOCK` positions
     is split: `cache` holds its first `FIXED_CACHE_BLOCK` positions and `tail` the others (the
     self-attention keys, then values, of each layer `(rows, num_heads, max_len - block,
-    depth)`; else `()`). `origins` `(rows,)`: the rows the next step's beams extend, a reorder
-    deferred to the next step (a fixed cache in a beam search; else `()`)."""
+    depth)`; else `()`). `history` int32 `(rows, max_len)`: for each row, the beam of its
+    sentence whose cache row holds each position of its hypothesis (a fixed cache in a beam
+    search, never reordered; else `()`)."""
 
     cache: object  # DecodingCache
     memory_mask: object  # (sentences, 1, len_src)
     tail: tuple = ()
-    origins: object = ()
+    history: object = ()
 
 
 class _CachedDecoder:
     """One position per step; the self-attention cache has a row per beam, the cross-attention
     one a row per sentence (`_DecoderState`).
 
-    A fixed cache costs per step what the step needs, not what its size allows:
-    - One longer than `FIXED_CACHE_BLOCK` positions is split, and a step before position
-      `FIXED_CACHE_BLOCK` reads, reorders and writes the first block only (a `cond`; the tail,
-      never written until then, passes through): the cache is sized for the longest output
-      allowed (source length + 50), most outputs are shorter than the block. A later step
-      joins the two parts (a copy) and splits them again.
-    - A beam search defers each step's reorder to the next step, which gathers the cache rows
-      as it writes its keys and values (one pass under XLA; reordered after the step, the cache
-      was read and written twice).
+    A fixed cache costs per step what the step needs, not what its size allows: it is sized
+    for the longest output allowed (source length + 50), most outputs are shorter than
+    `FIXED_CACHE_BLOCK` positions, and a step before that position reads the first block only.
+    - A beam search never reorders it: each row writes its step's keys and values into its
+      own cache row, in place, and reads each earlier position from the row that wrote it, by
+      its `history` (the beams it extends; `CacheHistory`), the first block alone before its
+      last step (a `cond` in the attention that only reads). Reordered by beam origin, the
+      cache was gathered every step, and under XLA the gathered cache was copied into the
+      loop's state again (a gather cannot write in place): two passes over it a step.
+    - Greedy search (nothing to reorder) splits a cache longer than the block: a step before
+      position `FIXED_CACHE_BLOCK` reads and writes the first block only (a `cond`; the tail,
+      never written until then, passes through); a later step joins the two parts (a copy)
+      and splits them again.
     Both give the same tokens."""
 
     def __init__(self, model, setup, beam_size, policy):
         self.model, self.setup, self.beam_size = model, setup, beam_size
         self.grows = policy == "growing"  # shapes change; finished sentences leave the batch
-        self.defers = not self.grows and beam_size > 1
+        self.tracks_history = not self.grows and beam_size > 1
         max_len = setup.max_len  # a Python int where shapes are static (XLA)
-        split = not self.grows and isinstance(max_len, int) and max_len > FIXED_CACHE_BLOCK
-        self.block = FIXED_CACHE_BLOCK if split else None
+        long = not self.grows and isinstance(max_len, int) and max_len > FIXED_CACHE_BLOCK
+        self.block = FIXED_CACHE_BLOCK if long else None  # the history reads it; greedy splits at it
 
     def initial_state(self):
-        max_length = None if self.grows else (self.block or self.setup.max_len)
+        split = self.block and not self.tracks_history
+        max_length = None if self.grows else (self.block if split else self.setup.max_len)
         cache = self.model.init_cache(self.setup.memory, max_length, self.beam_size)
         rows, heads, _, depth = ops.shape(cache.self_key[0])
         tail = ()
-        if self.block:
+        if split:
             shape = (rows, heads, self.setup.max_len - self.block, depth)
             tail = tuple(ops.zeros(shape, t.dtype) for t in _self_attention(cache))
-        origins = ops.arange(rows, dtype="int32") if self.defers else ()
-        return _DecoderState(cache, self.setup.memory_mask, tail, origins)
+        history = ops.zeros((rows, self.setup.max_len), "int32") if self.tracks_history else ()
+        return _DecoderState(cache, self.setup.memory_mask, tail, history)
 
     def step(self, last_tokens, prefix, step, state):
         cache, memory_mask = state.cache, state.memory_mask
         if self.grows:
             logits, cache = self.model.decode_step(last_tokens, None, cache, memory_mask)
             return logits, state._replace(cache=cache)
-
-        def decode(cache):
-            if self.defers:
-                cache = cache.reorder(state.origins)  # the previous step's beams
-            return self.model.decode_step(last_tokens, step, cache, memory_mask)
-
+        if self.tracks_history:  # this step's position is the row's own
+            rows = ops.shape(last_tokens)[0]
+            beams = ops.arange(rows, dtype="int32") % self.beam_size
+            history = write_at(state.history, beams[:, None], step, axis=1)
+            read = CacheHistory((ops.arange(rows, dtype="int32") - beams)[:, None] + history, self.block)
+            logits, cache = self.model.decode_step(last_tokens, step, cache, memory_mask, cache_history=read)
+            return logits, state._replace(cache=cache, history=history)
         if not self.block:
-            logits, cache = decode(cache)
+            logits, cache = self.model.decode_step(last_tokens, step, cache, memory_mask)
             return logits, state._replace(cache=cache)
 
         def within_block():
-            logits, written = decode(cache)
+            logits, written = self.model.decode_step(last_tokens, step, cache, memory_mask)
             return logits, _self_attention(written), state.tail
 
         def beyond_block():
-            logits, written = decode(_joined(cache, state.tail))
+            joined = _joined(cache, state.tail)
+            logits, written = self.model.decode_step(last_tokens, step, joined, memory_mask)
             tensors = _self_attention(written)
             head = tuple(t[:, :, : self.block] for t in tensors)
             return logits, head, tuple(t[:, :, self.block :] for t in tensors)
@@ -840,18 +850,16 @@ class _CachedDecoder:
         return logits, state._replace(cache=cache, tail=tail)
 
     def reorder(self, state, flat_beam_index):
-        """The self-attention caches gathered by beam origin `flat_beam_index` `(rows,)` (one
-        gather per tensor), or the next step's gather, deferred."""
-        if self.defers:
-            return state._replace(origins=flat_beam_index)
+        """The beams' state gathered by beam origin `flat_beam_index` `(rows,)`: their
+        histories (a fixed cache, not reordered), else the self-attention caches (one gather
+        per tensor)."""
+        if self.tracks_history:
+            return state._replace(history=gather_rows(state.history, flat_beam_index))
         return _rows_of(state, flat_beam_index)
 
     def select_rows(self, state, rows):
-        """The self-attention caches of the rows `rows` `(new_rows,)` now (the batch shrinks),
-        after any deferred reorder."""
-        if self.defers:
-            rows = gather_rows(state.origins, rows)
-            state = state._replace(origins=ops.arange(ops.shape(rows)[0], dtype="int32"))
+        """The self-attention caches (and histories) of the rows `rows` `(new_rows,)`, whole
+        sentences with their beams in order (the batch shrinks)."""
         return _rows_of(state, rows)
 
     @staticmethod
@@ -874,9 +882,10 @@ def _joined(cache, tail):
 
 
 def _rows_of(state, rows):
-    """`state` with the self-attention cache rows `rows` (its tail too)."""
+    """`state` with the self-attention cache rows `rows` (its tail and histories too)."""
     tail = tuple(gather_rows(t, rows) for t in state.tail)
-    return state._replace(cache=state.cache.reorder(rows), tail=tail)
+    history = state.history if isinstance(state.history, tuple) else gather_rows(state.history, rows)
+    return state._replace(cache=state.cache.reorder(rows), tail=tail, history=history)
 
 
 class _PrefixDecoder:

@@ -11,7 +11,7 @@ import keras  # noqa: F401  (isort: skip)
 
 from keras_transformer.layers.attention import masked_softmax, scaled_dot_product_attention
 from keras_transformer.layers.decoder import Decoder, DecoderLayer
-from keras_transformer.layers.decoding_cache import DecodingCache, LayerCache
+from keras_transformer.layers.decoding_cache import CacheHistory, DecodingCache, LayerCache
 from keras_transformer.layers.dropout import Dropout
 from keras_transformer.layers.embedding import TokenEmbedding
 from keras_transformer.layers.encoder import Encoder, EncoderLayer
@@ -22,6 +22,7 @@ from keras_transformer.layers.positional_encoding import SinusoidalPositionalEnc
 
 __all__ = [
     "ATTENTION_MODES",
+    "CacheHistory",
     "Decoder",
     "DecoderLayer",
     "DecodingCache",

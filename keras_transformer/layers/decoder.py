@@ -41,6 +41,10 @@ class DecoderLayer(LayerArguments, keras.layers.Layer):
         cache_step: with `cache`, the scalar int position of `inputs[:, 0]`
             in a fixed-size cache (`len_cache` = the maximum length); without
             it the cache grows (this call's positions are appended).
+        cache_rows, cache_block: with `cache_step`, optional: the fields of a
+            `CacheHistory`, the self-attention cache row each row reads at each
+            position and the first positions read alone before that step
+            (`MultiHeadAttention`); the cache is then written in place.
         return_weights: also return the attention weights.
         training: enables dropout.
 
@@ -107,6 +111,8 @@ class DecoderLayer(LayerArguments, keras.layers.Layer):
         cache_step=None,
         return_weights=False,
         training=None,
+        cache_rows=None,
+        cache_block=None,
     ):
         _check_memory_or_cache(self.name, memory, cache)
         optional = {}  # what the attention sublayers return besides their outputs
@@ -116,6 +122,8 @@ class DecoderLayer(LayerArguments, keras.layers.Layer):
             if cache is not None:
                 cached = {"cache": (cache.self_key, cache.self_value)}
                 cached.update({"append_to_cache": True} if cache_step is None else {"cache_step": cache_step})
+                if cache_rows is not None:
+                    cached.update(cache_rows=cache_rows, cache_block=cache_block)
             outputs, optional["self_weights"], optional["self_cache"] = split_optional(
                 self.self_attention(
                     x,
@@ -195,6 +203,8 @@ class Decoder(TransformerStack):
         cache_step: with a fixed-size cache, the scalar int position of
             `inputs[:, 0]`; without it the cache grows: `inputs` follow the
             cached positions and are appended to them.
+        cache_rows, cache_block: with `cache_step`, optional: the fields of a
+            `CacheHistory` (a beam's history; `DecoderLayer`).
         return_weights: also return each layer's attention weights.
         training: enables dropout.
 
@@ -239,6 +249,8 @@ class Decoder(TransformerStack):
         cache_step=None,
         return_weights=False,
         training=None,
+        cache_rows=None,
+        cache_block=None,
     ):
         _check_memory_or_cache(self.name, memory, cache)
         length = keras.ops.shape(inputs)[1]
@@ -269,6 +281,7 @@ class Decoder(TransformerStack):
                     cache_step=cache_step,
                     return_weights=return_weights,
                     training=training,
+                    **({} if cache_rows is None else {"cache_rows": cache_rows, "cache_block": cache_block}),
                 ),
                 return_weights,
                 return_weights,

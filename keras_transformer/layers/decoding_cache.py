@@ -37,6 +37,23 @@ class LayerCache(NamedTuple):
     cross_value: object
 
 
+class CacheHistory(NamedTuple):
+    """How the rows of a beam search read a fixed-size self-attention cache that is never
+    reordered (`keras_transformer.decoding.search`): each row writes its step's keys and
+    values into its own cache row, in place, and reads each earlier position from the row
+    that wrote it.
+
+    rows: int `(rows, len_cache)`, the cache row holding each position of each row's
+        hypothesis (positions not written yet: any row in range; the mask hides them).
+    block: None, or a Python int: a step before position `block` reads the first `block`
+        positions only (most outputs are shorter than the cache, sized for the longest
+        allowed).
+    """
+
+    rows: object
+    block: object = None
+
+
 class DecodingCache(NamedTuple):
     """Per decoder layer (tuples of `num_layers` tensors), as `LayerCache`'s fields.
 

@@ -20,8 +20,9 @@ import keras
 from keras import ops
 
 from keras_transformer.layers.attention import scaled_dot_product_attention
+from keras_transformer.layers.decoding_cache import CacheHistory
 from keras_transformer.layers.dropout import Dropout
-from keras_transformer.layers.portable_ops import write_at
+from keras_transformer.layers.portable_ops import rows_by_position, write_at, write_in_place
 from keras_transformer.layers.results import with_optional
 from keras_transformer.utils.checks import check_choice, check_positive_int, check_rate
 from keras_transformer.utils.registration import register
@@ -74,6 +75,12 @@ class MultiHeadAttention(keras.layers.Layer):
               the position axis, and the heads attend over the `len_k +
               len_new` positions. Each step touches the filled positions only.
         cache_step: scalar int, where this call's keys and values go.
+        cache_rows: with `cache_step`, int `(batch, len_k)`: the cache row
+            each query row reads at each position (a beam's history: the
+            cache is then written in place and never reordered; the fields of
+            a `CacheHistory`); None: row r reads row r.
+        cache_block: with `cache_rows`, None or a Python int: a step before
+            that position reads the first `cache_block` positions alone.
         append_to_cache: append this call's keys and values to `cache`.
         return_weights: also return the attention weights.
         training: enables attention dropout.
@@ -168,8 +175,15 @@ class MultiHeadAttention(keras.layers.Layer):
         append_to_cache=False,
         return_weights=False,
         training=None,
+        cache_rows=None,
+        cache_block=None,
     ):
         updates_cache = cache_step is not None or append_to_cache
+        if cache_rows is not None and (cache_step is None or return_weights):
+            raise ValueError(
+                f"MultiHeadAttention({self.name}): cache_rows is for decoding with a fixed-size "
+                "cache (cache_step), without return_weights."
+            )
         if cache_step is not None and append_to_cache:
             raise ValueError(
                 f"MultiHeadAttention({self.name}): pass cache_step (write into a fixed-size cache) "
@@ -199,15 +213,38 @@ class MultiHeadAttention(keras.layers.Layer):
             if append_to_cache:  # growing cache: one more position per step
                 keys = ops.concatenate([key_cache, keys], axis=2)
                 values = ops.concatenate([value_cache, values], axis=2)
-            else:  # fixed-size cache
+            elif cache_rows is None:  # fixed-size cache
                 keys = write_at(key_cache, keys, cache_step, axis=2)
                 values = write_at(value_cache, values, cache_step, axis=2)
+            else:  # fixed-size cache, never reordered: each row reads its history's rows
+                keys = write_in_place(key_cache, keys, cache_step)
+                values = write_in_place(value_cache, values, cache_step)
+                history = CacheHistory(cache_rows, cache_block)
+                outputs = self._attend_history(query, keys, values, attention_mask, cache_step, history)
+                return with_optional(outputs, None, (keys, values))
         outputs, weights = self.attend_heads(
             query, keys, values, attention_mask, training, return_weights, fold_queries=fold
         )
         return with_optional(
             outputs, weights if return_weights else None, None if cache is None else (keys, values)
         )
+
+    def _attend_history(self, query, keys, values, attention_mask, step, history):
+        """`attend_heads` over the written cache `keys`, `values` `(rows, num_heads, len_cache,
+        depth)` as each row's `history` (a `CacheHistory`) reads it: the first `history.block`
+        positions alone before that step (a `cond` that only reads the cache: it is written,
+        in place, before it), else all."""
+
+        def attend(length):
+            rows = history.rows[:, :length]
+            mask = None if attention_mask is None else attention_mask[..., :length]
+            read = (rows_by_position(t, rows) for t in (keys, values))
+            return self.attend_heads(query, *read, mask)[0]
+
+        length = keys.shape[2]
+        if history.block is None or (length is not None and history.block >= length):
+            return attend(ops.shape(keys)[2])
+        return ops.cond(step < history.block, lambda: attend(history.block), lambda: attend(length))
 
     def _check_cache(self, cache):
         if not isinstance(cache, (tuple, list)) or len(cache) != 2:

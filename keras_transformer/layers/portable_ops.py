@@ -43,6 +43,45 @@ def write_at(tensor, updates, start, axis=1):
     return ops.where(inside, updates, tensor)
 
 
+def write_in_place(tensor, updates, start):
+    """`tensor` `(rows, heads, length, depth)` with `updates` `(rows, heads, len_new, depth)`
+    written at positions `start, start + 1, ...` of axis 2, as one dynamic-update-slice: XLA
+    writes it into `tensor`'s buffer when nothing else reads `tensor` afterwards (`write_at`'s
+    `where` reads and writes every position).
+
+    Example:
+    >>> import numpy as np
+    >>> ops.convert_to_numpy(write_in_place(np.zeros((1, 1, 3, 1), "float32"),
+    ...                                     np.ones((1, 1, 1, 1), "float32"), 1))[0, 0, :, 0]
+    array([0., 1., 0.], dtype=float32)
+    """
+    start = ops.cast(start, "int32")
+    zero = ops.zeros((), "int32")
+    return ops.slice_update(tensor, (zero, zero, start, zero), ops.cast(updates, tensor.dtype))
+
+
+def rows_by_position(tensor, rows):
+    """`tensor` `(rows, heads, length, depth)` read as `out[r, :, p] = tensor[rows[r, p], :, p]`
+    for int `rows` `(rows_out, n)` in range, `n <= length` (the first `n` positions): each
+    row's keys or values at each position taken from the row that wrote them (a beam's
+    history in a cache that is never reordered). One gather of `depth`-long slices.
+
+    Example:
+    >>> import numpy as np
+    >>> t = np.arange(6, dtype="float32").reshape(2, 1, 3, 1)  # row 0: 0, 1, 2; row 1: 3, 4, 5
+    >>> ops.convert_to_numpy(rows_by_position(t, np.array([[1, 0]])))[0, 0, :, 0]
+    array([3., 1.], dtype=float32)
+    """
+    _, heads, length, depth = ops.shape(tensor)
+    rows = ops.cast(rows, "int32")
+    flat = (
+        rows[:, None, :] * (heads * length)
+        + ops.arange(heads, dtype="int32")[None, :, None] * length
+        + ops.arange(ops.shape(rows)[1], dtype="int32")[None, None, :]
+    )  # (rows_out, heads, n): indices into the (rows * heads * length, depth) matrix
+    return gather_rows(ops.reshape(tensor, (-1, depth)), flat)
+
+
 def gather_rows(tensor, indices):
     """`tensor[indices]` along axis 0, for `indices` known to be in range (no negative ones).
 

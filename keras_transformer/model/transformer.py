@@ -179,7 +179,7 @@ class Transformer(keras_compat.DistributedFitFixes, keras.Model):
             cross_value=tuple(values for _, values in cross),
         )
 
-    def decode_step(self, token_ids, step, cache, memory_mask):
+    def decode_step(self, token_ids, step, cache, memory_mask, cache_history=None):
         """One incremental decoding step (inference).
 
         Args:
@@ -190,12 +190,19 @@ class Transformer(keras_compat.DistributedFitFixes, keras.Model):
                 (the position is the number of cached positions).
             cache: from `init_cache` (or the previous step).
             memory_mask: `padding_mask(source_ids)`, bool `(sentences, 1, len_src)`.
+            cache_history: with a fixed-size cache, optional `CacheHistory`: the
+                self-attention cache row each row reads at each position (a beam's
+                history, so that the cache is written in place and never reordered).
 
         Returns:
             `(logits (rows, vocab) float32 for the next position, cache)`.
         """
         embedded = self.target_embedding(keras.ops.expand_dims(token_ids, axis=1))
-        hidden, cache = self.decoder(embedded, memory_mask=memory_mask, cache=cache, cache_step=step)
+        history = {} if cache_history is None else cache_history._asdict()
+        history = {f"cache_{name}": value for name, value in history.items()}  # cache_rows, cache_block
+        hidden, cache = self.decoder(
+            embedded, memory_mask=memory_mask, cache=cache, cache_step=step, **history
+        )
         # Project the one position as a matrix `(rows, d_model)`: the exported step is then one
         # `Gemm` that reads the tied embedding as stored (keras_transformer_export.graph_rewrites).
         return self.project(hidden[:, 0]), cache
