@@ -298,14 +298,16 @@ def test_a_fixed_cache_steps_over_its_first_block_alone(reverse_model, search, m
     decode_step = type(model).decode_step
     rows_by_position = mha_module.rows_by_position
 
-    def recording(self, token_ids, step, cache, memory_mask, cache_history=None):
+    def recording(self, token_ids, step, cache, memory_mask, cache_history=None, **kwargs):
         size = int(cache.self_key[0].shape[2])
         steps.append((int(step), size))
         assert (cache_history is None) == (search == "greedy")
+        # The tied embeddings, transposed once before the loop (a fixed cache: XLA, JAX).
+        assert tuple(kwargs["projection_kernel"].shape) == (model.config.d_model, model.config.vocab_size)
         if cache_history is not None:  # every position's row, for each of this step's rows
             assert cache_history.block == 3 and size == max_len
             assert tuple(cache_history.rows.shape) == (token_ids.shape[0], max_len)
-        return decode_step(self, token_ids, step, cache, memory_mask, cache_history)
+        return decode_step(self, token_ids, step, cache, memory_mask, cache_history, **kwargs)
 
     def reading(tensor, rows):  # the positions a step's attention reads (a beam search's)
         read.append((steps[-1][0], int(rows.shape[1])))

@@ -253,3 +253,21 @@ def test_decoder_memory_and_cache_mistakes_are_reported():
         model.decoder(embedded)
     with pytest.raises(ValueError, match="do not also pass memory"):
         model.decoder(embedded, memory, cache=cache, cache_step=0)
+
+
+def test_a_decoding_step_projects_with_a_given_transposed_embedding_matrix():
+    """`decode_step(..., projection_kernel=)` (the tied embeddings transposed once, by a search
+    under static shapes) gives `project`'s logits; a model with its own projection refuses it."""
+    model = _model()
+    source = _batch()["source_ids"]
+    cache = model.init_cache(model.encode(source), max_length=4)
+    mask = kt.padding_mask(source)
+    tokens = np.full((3,), 2, "int32")
+    logits, _ = model.decode_step(tokens, 0, cache, mask)
+    kernel = np.transpose(np.asarray(model.target_embedding.embeddings))
+    given, _ = model.decode_step(tokens, 0, cache, mask, projection_kernel=kernel)
+    np.testing.assert_allclose(given, logits, atol=1e-5)
+    untied = _model(tie_output=False)
+    untied_cache = untied.init_cache(untied.encode(source), max_length=4)
+    with pytest.raises(ValueError, match="has its own projection"):
+        untied.decode_step(tokens, 0, untied_cache, mask, projection_kernel=kernel)

@@ -804,6 +804,13 @@ class _CachedDecoder:
         max_len = setup.max_len  # a Python int where shapes are static (XLA)
         long = not self.grows and isinstance(max_len, int) and max_len > FIXED_CACHE_BLOCK
         self.block = FIXED_CACHE_BLOCK if long else None  # the history reads it; greedy splits at it
+        # A fixed cache (XLA, JAX) projects with the tied embeddings transposed once, here, outside
+        # the loop: transposed inside it, XLA's CPU product reads them transposed (NT), 1.6x slower
+        # at 4 rows (batch 1, beam 4).
+        self.projection = {}
+        if not self.grows and model.output_projection is None:
+            embeddings = ops.cast(model.target_embedding.embeddings, "float32")
+            self.projection = {"projection_kernel": ops.transpose(embeddings)}
 
     def initial_state(self):
         split = self.block and not self.tracks_history
@@ -827,19 +834,23 @@ class _CachedDecoder:
             beams = ops.arange(rows, dtype="int32") % self.beam_size
             history = write_at(state.history, beams[:, None], step, axis=1)
             read = CacheHistory((ops.arange(rows, dtype="int32") - beams)[:, None] + history, self.block)
-            logits, cache = self.model.decode_step(last_tokens, step, cache, memory_mask, cache_history=read)
+            logits, cache = self.model.decode_step(
+                last_tokens, step, cache, memory_mask, cache_history=read, **self.projection
+            )
             return logits, state._replace(cache=cache, history=history)
         if not self.block:
-            logits, cache = self.model.decode_step(last_tokens, step, cache, memory_mask)
+            logits, cache = self.model.decode_step(last_tokens, step, cache, memory_mask, **self.projection)
             return logits, state._replace(cache=cache)
 
         def within_block():
-            logits, written = self.model.decode_step(last_tokens, step, cache, memory_mask)
+            logits, written = self.model.decode_step(last_tokens, step, cache, memory_mask, **self.projection)
             return logits, _self_attention(written), state.tail
 
         def beyond_block():
             joined = _joined(cache, state.tail)
-            logits, written = self.model.decode_step(last_tokens, step, joined, memory_mask)
+            logits, written = self.model.decode_step(
+                last_tokens, step, joined, memory_mask, **self.projection
+            )
             tensors = _self_attention(written)
             head = tuple(t[:, :, : self.block] for t in tensors)
             return logits, head, tuple(t[:, :, self.block :] for t in tensors)
