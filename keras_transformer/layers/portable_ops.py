@@ -45,9 +45,11 @@ def write_at(tensor, updates, start, axis=1):
 
 def write_in_place(tensor, updates, start):
     """`tensor` `(rows, heads, length, depth)` with `updates` `(rows, heads, len_new, depth)`
-    written at positions `start, start + 1, ...` of axis 2, as one dynamic-update-slice: XLA
-    writes it into `tensor`'s buffer when nothing else reads `tensor` afterwards (`write_at`'s
-    `where` reads and writes every position).
+    written at positions `start, start + 1, ...` of axis 2, as one scatter of `depth`-long rows:
+    XLA writes it into `tensor`'s buffer when nothing else reads `tensor` afterwards (`write_at`'s
+    `where` reads and writes every position). A scatter, not a dynamic-update-slice: TensorFlow
+    has no standard op for the latter (Keras' `slice_update` is `XlaDynamicUpdateSlice`, which a
+    SavedModel for TF Serving should not hold).
 
     Example:
     >>> import numpy as np
@@ -55,9 +57,16 @@ def write_in_place(tensor, updates, start):
     ...                                     np.ones((1, 1, 1, 1), "float32"), 1))[0, 0, :, 0]
     array([0., 1., 0.], dtype=float32)
     """
-    start = ops.cast(start, "int32")
-    zero = ops.zeros((), "int32")
-    return ops.slice_update(tensor, (zero, zero, start, zero), ops.cast(updates, tensor.dtype))
+    shape = ops.shape(tensor)
+    length, depth = shape[2], shape[3]
+    len_new = ops.shape(updates)[2]
+    flat = ops.reshape(tensor, (-1, length, depth))  # (rows * heads, length, depth)
+    count = ops.shape(flat)[0]
+    row = ops.repeat(ops.arange(count, dtype="int32"), len_new)  # each written (row, position)
+    position = ops.tile(ops.arange(len_new, dtype="int32") + ops.cast(start, "int32"), [count])
+    indices = ops.stack([row, position], axis=1)
+    values = ops.reshape(ops.cast(updates, tensor.dtype), (-1, depth))
+    return ops.reshape(ops.scatter_update(flat, indices, values), shape)
 
 
 def rows_by_position(tensor, rows):
