@@ -20,9 +20,10 @@ decoding_cache`):
   of it is live (a loop per batch size: `batch`, `batch / 2`, ..., 1, each
   compiled; the live sentences move to the front, finished ones fill the
   rest), so the tail of a batch costs the rows it needs, within 2x. The
-  steps before position `FIXED_CACHE_BLOCK` (32) read and write only the
-  cache's first 32 positions, and a beam search never reorders the cache:
-  each row reads its hypothesis's positions from the rows that wrote them
+  steps before position `FIXED_CACHE_BLOCK` (32) read only the cache's
+  first 32 positions (greedy search also writes only those), and a beam
+  search never reorders the cache: each row writes its own row in place and
+  reads its hypothesis's positions from the rows that wrote them
   (`_CachedDecoder`). Under XLA, a
   beam search without controls finds each step's best candidates from the
   logits block by block, never writing the `(batch, beam, vocab)` scores

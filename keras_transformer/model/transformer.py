@@ -213,7 +213,8 @@ class Transformer(keras_compat.DistributedFitFixes, keras.Model):
             return self.project(hidden[:, 0]), cache
         if self.output_projection is not None:
             raise ValueError(
-                "projection_kernel is the tied embeddings' matrix; this model has its own projection."
+                "projection_kernel is the tied embeddings' matrix; this model has its own projection "
+                "(tie_output=False): call decode_step without projection_kernel."
             )
         return keras.ops.matmul(keras.ops.cast(hidden[:, 0], "float32"), projection_kernel), cache
 
