@@ -48,6 +48,7 @@ EXPORTS = {
         "keras_transformer.layers",
     ),
     **dict.fromkeys(["PRESETS", "Transformer", "TransformerConfig"], "keras_transformer.model"),
+    "Ensemble": "keras_transformer.model.ensemble",
     **dict.fromkeys(
         [
             "LabelSmoothedCrossEntropy",

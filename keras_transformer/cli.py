@@ -73,9 +73,9 @@ def _train(args):
 
 def _load(args):
     from keras_transformer.decoding.translator import Translator
-    from keras_transformer.training.run_directory import load_run_model
+    from keras_transformer.training.run_directory import load_run_models
 
-    run, model = load_run_model(args.model, args.checkpoint)
+    run, model = load_run_models(args.model, args.checkpoint)
     translator = Translator(
         model,
         run.tokenizer(),
@@ -260,10 +260,19 @@ def _attention(args):
     return 0
 
 
-def add_model_arguments(parser, beam=True, batch=True):
-    parser.add_argument(
-        "--model", required=True, help="a run directory (uses its model.keras) or a .keras file inside one"
-    )
+def add_model_arguments(parser, beam=True, batch=True, ensemble=False):
+    help = "a run directory (uses its model.keras) or a .keras file inside one"
+    if ensemble:
+        parser.add_argument(
+            "--model",
+            required=True,
+            nargs="+",
+            action="extend",
+            metavar="MODEL",
+            help=f"{help}; several: an ensemble (their mean next-token probability; one vocabulary)",
+        )
+    else:
+        parser.add_argument("--model", required=True, help=help)
     parser.add_argument(
         "--checkpoint",
         type=positive_int,
@@ -444,13 +453,13 @@ def build_parser():
     _train_parser(commands)
 
     translate = commands.add_parser("translate", help="translate stdin to stdout, one line each")
-    add_model_arguments(translate)
+    add_model_arguments(translate, ensemble=True)
     _decoding_arguments(translate)
     translate.add_argument("--scores", action="store_true", help="append a tab and the score")
     translate.set_defaults(handler=_translate)
 
     evaluate = commands.add_parser("evaluate", help="sacreBLEU and chrF on a split")
-    add_model_arguments(evaluate)
+    add_model_arguments(evaluate, ensemble=True)
     add_option(evaluate, "data", required=True, default=None)
     add_option(evaluate, "data_dir")
     evaluate.add_argument("--split", default="test", help="train | val | test (default test)")

@@ -19,6 +19,8 @@ what XLA and JAX need) or tensors (an exported graph's inputs: each choice is a
 graph conditional, `keras.ops.cond`, made once per request, never per step).
 """
 
+import functools
+
 import numpy as np
 from keras import ops
 
@@ -34,6 +36,7 @@ from keras_transformer.decoding.search import (
 )
 from keras_transformer.layers.masks import padding_mask
 from keras_transformer.layers.portable_ops import argmax, gather_rows
+from keras_transformer.model.ensemble import Ensemble
 from keras_transformer.utils.checks import check_choice
 
 # The searches `decode` chooses between (module docstring).
@@ -274,7 +277,7 @@ def align(model, source_ids, target_ids):
     The cross-attention of the last decoder layer (fairseq's default alignment layer),
     its heads averaged, in one teacher-forced pass over the hypotheses: the weights the
     search computed for each token (a cached step equals the full pass), without
-    keeping them during the search.
+    keeping them during the search. For an `Ensemble`, the mean of its members' weights.
 
     Args:
         source_ids: int `(batch, len_src)`; target_ids: int `(batch, n, max_len)`,
@@ -286,16 +289,19 @@ def align(model, source_ids, target_ids):
     targets = ops.reshape(target_ids, (-1, length))  # (rows, max_len)
     bos = ops.full((ops.shape(targets)[0], 1), config.bos_id, "int32")
     inputs = ops.concatenate([bos, targets[:, :-1]], axis=1)
-    memory = ops.repeat(model.encode(source_ids, training=False), n, axis=0)
     memory_mask = ops.repeat(padding_mask(source_ids, config.pad_id), n, axis=0)
-    _, _, cross = model.decoder(
-        model.target_embedding(inputs),
-        memory,
-        padding_mask(inputs, config.pad_id),
-        memory_mask,
-        return_weights=True,
-        training=False,
-    )
-    attended = argmax(ops.mean(cross[-1], axis=1))  # (rows, max_len)
+    weights = []  # each model's last cross-attention, heads averaged (rows, max_len, len_src)
+    for member in model.members if isinstance(model, Ensemble) else [model]:  # an ensemble's: their mean
+        memory = ops.repeat(member.encode(source_ids, training=False), n, axis=0)
+        _, _, cross = member.decoder(
+            member.target_embedding(inputs),
+            memory,
+            padding_mask(inputs, config.pad_id),
+            memory_mask,
+            return_weights=True,
+            training=False,
+        )
+        weights.append(ops.mean(cross[-1], axis=1))
+    attended = argmax(functools.reduce(ops.add, weights))  # (rows, max_len)
     before_eos = ops.equal(ops.cumsum(ops.cast(ops.equal(targets, config.eos_id), "int32"), axis=1), 0)
     return ops.reshape(ops.where(before_eos, attended, -1), shape)

@@ -218,6 +218,13 @@ class Transformer(keras_compat.DistributedFitFixes, keras.Model):
             )
         return keras.ops.matmul(keras.ops.cast(hidden[:, 0], "float32"), projection_kernel), cache
 
+    def step_projection_kernel(self):
+        """`decode_step`'s `projection_kernel`: the tied embeddings transposed, float32 `(d_model,
+        vocab)`; None for a model with its own projection (`tie_output=False`)."""
+        if self.output_projection is not None:
+            return None
+        return keras.ops.transpose(keras.ops.cast(self.target_embedding.embeddings, "float32"))
+
     def project(self, hidden):
         """Decoder output `(batch, len, d_model)` (or `(rows, d_model)`) -> float32 logits `(..., vocab)`."""
         if self.output_projection is not None:

@@ -7,13 +7,14 @@ translations and an `eval-DATA-SPLIT.json` report into the run directory.
 """
 
 import dataclasses
+import os
 import time
 
 from keras_transformer.data.corpora import load_corpus
 from keras_transformer.decoding import policy
 from keras_transformer.decoding.translator import Translator
 from keras_transformer.evaluation import Scores, score_translations
-from keras_transformer.training.run_directory import load_run_model
+from keras_transformer.training.run_directory import load_run_models
 from keras_transformer.utils.files import atomic_write
 
 
@@ -47,7 +48,8 @@ def evaluate_run(
     """Translates and scores `data`'s `split` with a run's model.
 
     Args:
-        model: a run directory (its `model.keras`) or a `.keras` file inside one.
+        model: a run directory (its `model.keras`) or a `.keras` file inside one; a list of
+            them: their `Ensemble` (the report and translations go to the first one's run).
         data, data_dir: the corpus (`load_corpus`).
         split: `train`, `val` or `test`.
         source_lang, target_lang: default: the run's.
@@ -61,7 +63,9 @@ def evaluate_run(
     Returns:
         an `Evaluation`.
     """
-    run, loaded = load_run_model(model, checkpoint)
+    if not isinstance(model, (str, os.PathLike)) and len(model) == 1:
+        model = model[0]
+    run, loaded = load_run_models(model, checkpoint)
     translator = Translator(
         loaded,
         run.tokenizer(),
@@ -87,7 +91,7 @@ def evaluate_run(
     output = output or str(run.path / f"translations-{name}.txt")
     atomic_write(output, "".join(f"{line}\n" for line in hypotheses))
     report = {
-        "model": str(model),
+        "model": str(model) if isinstance(model, (str, os.PathLike)) else [str(m) for m in model],
         "data": data,
         "split": split,
         "sentences": len(sources),

@@ -170,7 +170,8 @@ def load_translator(path, **options):
 
     Args:
         path: a run directory (its `model.keras`) or a `.keras` file inside one
-            (e.g. `runs/NAME/averaged.keras`).
+            (e.g. `runs/NAME/averaged.keras`); a list of them: their `Ensemble`
+            (`load_run_models`).
         **options: of `Translator` (`beam_size`, `length_penalty`,
             `max_extra_length`, `batch_size`, `jit_compile`, `cache_policy`);
             the defaults are the CLI's (`keras_transformer.decoding.policy`).
@@ -182,8 +183,8 @@ def load_translator(path, **options):
     """
     from keras_transformer.decoding.translator import Translator
 
-    run, model_path = resolve_model(path)
-    return Translator(load_model(model_path), run.tokenizer(), **options)
+    run, model = load_run_models(path)
+    return Translator(model, run.tokenizer(), **options)
 
 
 def save_model(model, path):
@@ -259,6 +260,31 @@ def load_run_model(path, checkpoint=None):
             f"it holds epochs {sorted(epochs) or 'none'} (train keeps the last --keep-checkpoints)."
         )
     return run, _model_of_checkpoints(run, [epochs[checkpoint]])
+
+
+def load_run_models(paths, checkpoint=None):
+    """`(RunDirectory, model)` for one or more `--model PATH`: one path, `load_run_model`'s; more, an
+    `Ensemble` of their models, with the first one's run (its tokenizer, its settings). The members
+    must have one vocabulary (`train --tokenizer FIRST/tokenizer.model` gives the later ones the
+    first's) and `ensemble.SHARED_CONFIG`; anything else is one line, before a search is built."""
+    from keras_transformer.model.ensemble import Ensemble, ensemble_mismatch
+
+    paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    loaded = [load_run_model(path, checkpoint) for path in paths]
+    if len(loaded) == 1:
+        return loaded[0]
+    runs, models = zip(*loaded)
+    tokenizers = [run.tokenizer() for run in runs]
+    for path, tokenizer in zip(paths[1:], tokenizers[1:]):
+        if tokenizer.model_proto != tokenizers[0].model_proto:
+            raise UserError(
+                f"{path} and {paths[0]} have different vocabularies: an ensemble's models share one "
+                f"(train the later ones with --tokenizer {runs[0].tokenizer_path})."
+            )
+    problem = ensemble_mismatch([m.config for m in models], paths)
+    if problem:
+        raise UserError(problem)
+    return runs[0], Ensemble(models)
 
 
 def average_run(path, last, output=None):
