@@ -84,19 +84,49 @@ def val_candidates(run):
     return {f"beam {beam}, α {alpha}": found[beam, alpha] for beam, alpha in sorted(found)}
 
 
+def member_runs(run):
+    """The run directories of the models: `run` itself, or an ensemble's `run/member-*` in order."""
+    members = sorted(run.glob("member-*"), key=lambda path: int(path.name.split("-")[1]))
+    return members or [run]
+
+
+def member_val(members):
+    """Each member's own val scores, `{"member-N": scores and the search}`, where
+    `keras-transformer evaluate --model RUN/member-N/averaged.keras --split val` left them in its
+    `eval-multi30k-val.json` (the ensemble's evaluation writes that file too: one naming a single
+    model is the member's own); the members' other evaluations are not looked at."""
+    found = {}
+    for member in members:
+        path = member / "eval-multi30k-val.json"
+        if path.exists() and isinstance(read_json(path).get("model"), str):
+            evaluation = read_json(path)
+            found[member.name] = {
+                **scores(path),
+                "beam_size": evaluation["beam_size"],
+                "length_penalty": evaluation["length_penalty"],
+            }
+    return found
+
+
 def run_results(run, epochs_asked, max_minutes, start, trained, end):
-    """The results of the run in `run` (see the module docstring)."""
-    metrics = read_json(run / "metrics.json")
+    """The results of the run in `run` (see the module docstring). An ensemble's (`member-*`
+    directories): the members' count, each one's curve; the first one's curve and updates
+    stand for all (they train alike), seconds per epoch are every member's."""
+    members = member_runs(run)
+    member_metrics = [read_json(member / "metrics.json") for member in members]
+    metrics = member_metrics[0]
     epochs = metrics["epochs"]
-    seconds = [epoch["seconds"] for epoch in epochs]
+    seconds = [epoch["seconds"] for found in member_metrics for epoch in found["epochs"]]
     test = read_json(run / "eval-multi30k-test.json")
     machine = harness.machine()
+    cut = any(len(m["epochs"]) < epochs_asked and m.get("status") == "finished" for m in member_metrics)
     return {
         "machine": machine,
-        "model": model_summary(read_json(run / "run.json")["model"]),
+        "model": model_summary(read_json(members[0] / "run.json")["model"]),
+        "members": len(members),
         "epochs_asked": epochs_asked,
-        "epochs": len(epochs),
-        "cut_by_max_minutes": len(epochs) < epochs_asked and metrics.get("status") == "finished",
+        "epochs": min(len(m["epochs"]) for m in member_metrics),
+        "cut_by_max_minutes": cut,
         "max_minutes": max_minutes,
         "status": metrics.get("status"),
         "seconds_per_epoch": {
@@ -104,11 +134,12 @@ def run_results(run, epochs_asked, max_minutes, start, trained, end):
             "min": round(min(seconds), 1),
             "max": round(max(seconds), 1),
         },
+        "seconds": [start, trained, end],  # the script's start, end of training and end (epoch seconds)
         "minutes": {  # of the script's last invocation (a resumed run: since it resumed)
             "total": round((end - start) / 60, 1),
             "training": round((trained - start) / 60, 1),
             "evaluation": round((end - trained) / 60, 1),
-            "epochs_summed": round(sum(seconds) / 60, 1),  # every epoch, resumed runs included
+            "epochs_summed": round(sum(seconds) / 60, 1),  # every epoch of every member, resumed included
         },
         "averaged_epochs": metrics.get("averaged"),
         "optimizer_steps": epochs[-1]["optimizer_steps"],
@@ -120,6 +151,10 @@ def run_results(run, epochs_asked, max_minutes, start, trained, end):
         "val": scores(run / "eval-multi30k-val.json"),
         "test2016": scores(run / "eval-multi30k-test.json"),
         "curve": [{key: epoch.get(key) for key in CURVE_KEYS} for epoch in epochs],
+        "member_val": member_val(members) if len(members) > 1 else None,
+        "member_curves": [
+            [{key: epoch.get(key) for key in CURVE_KEYS} for epoch in m["epochs"]] for m in member_metrics[1:]
+        ],
     }
 
 
@@ -146,9 +181,12 @@ def table(runs):
         machine, minutes, test = run["machine"], run["minutes"], run["test2016"]
         simd = "AVX-512" if any(flag.startswith("avx512") for flag in machine["simd"]) else "AVX2"
         cut = f", cut at {run['epochs']} by --max-minutes" if run["cut_by_max_minutes"] else ""
+        members = run.get("members", 1)
+        ensemble = f"ensemble of {members}: " if members > 1 else ""
         cells = [
             f"{run['epochs_asked']}{cut} ({run['optimizer_steps']:,})",
-            "{num_layers}+{num_decoder_layers} layers, d_model {d_model}, d_ff {d_ff}, "
+            ensemble
+            + "{num_layers}+{num_decoder_layers} layers, d_model {d_model}, d_ff {d_ff}, "
             "dropout {dropout_rate}, BPE {vocab_size}".format(**run["model"]),
             f"{machine['cpu']}, {machine['cores']} cores, {simd}",
             f"{run['seconds_per_epoch']['median']:.0f}",

@@ -27,7 +27,7 @@ cd "$(dirname "$0")/.."
 DATA_DIR=${1:--}
 RUN=${2:-runs/multi30k}
 MEMBERS=${MEMBERS:-2}
-EPOCHS=${3:-$([ "$MEMBERS" = 1 ] && echo 85 || echo 55)}
+EPOCHS=${3:-$([ "$MEMBERS" = 1 ] && echo 85 || echo 50)}
 MAX_MINUTES=${MAX_MINUTES:-300}
 BIN=${BIN:-.venv/bin}
 export TF_CPP_MIN_LOG_LEVEL=${TF_CPP_MIN_LOG_LEVEL:-2}
@@ -35,7 +35,7 @@ DATA=(--data multi30k)
 [ "$DATA_DIR" != "-" ] && DATA+=(--data-dir "$DATA_DIR")
 
 "$BIN/python" -c "import sacremoses" 2>/dev/null || "$BIN/python" -m pip install --quiet sacremoses
-start=$(date +%s)
+start=${RECIPE_START:-$(date +%s)}  # a run resumed by hand: the first start (epoch seconds)
 commit=unknown  # the commit the run starts from, for the results file
 if head=$(git rev-parse --short HEAD 2>/dev/null); then
     commit=$head

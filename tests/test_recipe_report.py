@@ -105,3 +105,28 @@ def test_the_table_has_one_row_per_run_and_says_when_the_limit_cut_it(tmp_path, 
     document.write_text(f"before\n{report.BEGIN}\nold table\n{report.END}\nafter\n")
     report.replace_table(document, "\n".join(table))
     assert document.read_text() == f"before\n{report.BEGIN}\n" + "\n".join(table) + f"\n{report.END}\nafter\n"
+
+
+def test_an_ensemble_run_is_reported_with_its_members(tmp_path, import_script):
+    """`reproduce_multi30k.sh` with MEMBERS=2: the models train in RUN/member-*, the evaluation's
+    files are in RUN; the row says it is an ensemble, every member's epochs count."""
+    report = import_script("multi30k_recipe_report")
+    run, results = tmp_path / "ensemble", tmp_path / "recipe.json"
+    _fake_run(run, 2)
+    for member in (0, 1):
+        _fake_run(run / f"member-{member}", 4 - member)  # member 1 was cut after 3 of 4 epochs
+    for name in ("metrics.json", "run.json"):
+        (run / name).unlink()  # an ensemble's run directory has no model of its own
+    alone = {**SCORES, "bleu": 34.0, "beam_size": 8, "length_penalty": 1.0, "model": "m0/averaged.keras"}
+    (run / "member-0" / "eval-multi30k-val.json").write_text(json.dumps(alone))
+    ensemble = {**alone, "model": ["m0/averaged.keras", "m1/averaged.keras"]}  # not a member's own
+    (run / "member-1" / "eval-multi30k-val.json").write_text(json.dumps(ensemble))
+    _report(run, results, tmp_path, asked=4, commit="ccc")
+    entry = json.loads((run / "results.json").read_text())
+    assert entry["members"] == 2 and entry["epochs"] == 3 and entry["cut_by_max_minutes"] is True
+    assert entry["seconds_per_epoch"] == {"median": 72.0, "min": 71.0, "max": 74.0}  # 7 epochs
+    assert len(entry["curve"]) == 4 and [len(curve) for curve in entry["member_curves"]] == [3]
+    assert list(entry["member_val"]) == ["member-0"] and entry["member_val"]["member-0"]["bleu"] == 34.0
+    assert entry["seconds"] == [0, 3000, 3600]
+    row = report.table(json.loads(results.read_text())["runs"]).splitlines()[2]
+    assert "| ensemble of 2: 3+3 layers, d_model 128" in row and "**36.50**" in row
