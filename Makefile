@@ -40,8 +40,8 @@ bench: $(STAMP)
 	$(BIN)/python scripts/bench_fused_attention.py
 	$(BIN)/python scripts/bench_decoding.py
 	$(BIN)/python scripts/bench_train.py
-	@if [ -e runs/multi30k/averaged.keras ]; then \
-		$(BIN)/python scripts/bench_serving.py --model runs/multi30k/averaged.keras; \
+	@model=$$(ls runs/multi30k/averaged.keras runs/multi30k/member-0/averaged.keras 2>/dev/null | head -1); \
+	if [ -n "$$model" ]; then $(BIN)/python scripts/bench_serving.py --model "$$model"; \
 	else echo "bench_serving: skipped (needs the recipe's model: scripts/reproduce_multi30k.sh)"; fi
 
 clean:

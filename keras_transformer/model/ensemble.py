@@ -11,7 +11,8 @@ may differ.
 `Ensemble` has the methods the searches call on a `Transformer` (`encode`,
 `init_cache`, `decode_step`, `decoder_output`, `project`, a call on
 `{"source_ids", "target_ids"}`), so greedy, beam search, sampling and every
-decoding control run on it as they do on one model (`keras_transformer.decoding`).
+decoding control run on it as they do on one model (`keras_transformer.decoding`);
+the controls see the mean's log-probabilities (`repetition_penalty` scales those).
 Its tensors are the members' side by side:
 - memory `(batch, len_src, n * d_model)`: member i's is `[..., i * d_model : (i + 1) * d_model]`;
 - the `DecodingCache`: each field is the members' per-layer tuples one after another
