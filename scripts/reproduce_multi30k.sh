@@ -78,8 +78,9 @@ if [ "$MEMBERS" = 1 ]; then
     "${TRAIN[@]}" --out "$RUN"
 else
     # MEMBERS models, seeds 0.., side by side, each pinned to a core with one TensorFlow thread
-    # (two one-core runs do more epochs in an hour than one two-core run); the members after the
-    # first take the first one's vocabulary (an ensemble needs one).
+    # (on a 2-core EPYC a median 127 s per epoch each, where one model on both cores took ~77 s
+    # on another day: two models in ~1.65x one's time); the members after the first take the
+    # first one's vocabulary (an ensemble needs one).
     cores=$(nproc)
     pids=()
     for ((member = 0; member < MEMBERS; member++)); do
