@@ -140,3 +140,25 @@ def test_the_command_line_translates_with_an_ensemble_and_refuses_two_vocabulari
     assert cli.main(["translate", "--model", str(document_run), str(other)]) == 2
     error = capsys.readouterr().err.strip()
     assert error.count("\n") == 0 and "have different vocabularies" in error and "--tokenizer" in error
+
+
+@pytest.mark.parametrize("search", ["greedy", "beam"])
+def test_under_xla_an_ensemble_decodes_its_eager_tokens(search, monkeypatch):
+    """XLA takes the fixed cache and each member's own projection kernel; a block of 4 positions
+    makes the outputs cross it (the greedy split cache, the beams' histories)."""
+    import tensorflow as tf
+
+    from keras_transformer.decoding import search as search_module
+
+    monkeypatch.setattr(search_module, "FIXED_CACHE_BLOCK", 4)
+    ensemble = kt.Ensemble(_members())
+
+    def decode(source):
+        if search == "greedy":
+            return kt.greedy_search(ensemble, source, max_extra_length=6)
+        return kt.beam_search(ensemble, source, beam_size=3, num_return=3, max_extra_length=6)
+
+    eager = decode(_sources())
+    compiled = tf.function(decode, jit_compile=True)(tf.constant(_sources()))
+    np.testing.assert_array_equal(compiled.ids, eager.ids)
+    np.testing.assert_allclose(compiled.scores, eager.scores, atol=1e-4)
