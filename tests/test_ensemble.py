@@ -108,6 +108,8 @@ def test_members_that_cannot_be_one_ensemble_are_refused_in_one_line():
         kt.Ensemble([first, kt.Transformer.from_preset("tiny", vocab_size=31)])
     with pytest.raises(UserError, match="model 1 has d_model 32 and model 0 64"):
         kt.Ensemble([first, kt.Transformer.from_preset("tiny", vocab_size=30, d_model=32)])
+    with pytest.raises(UserError, match="runs/b has vocab_size 31 and runs/a 30"):  # the CLI names paths
+        kt.Ensemble([first, kt.Transformer.from_preset("tiny", vocab_size=31)], names=["runs/a", "runs/b"])
     with pytest.raises(UserError, match="two or more models; got 1"):
         kt.Ensemble([first])
 

@@ -62,13 +62,15 @@ class Ensemble:
 
     Args:
         members: two or more `Transformer`s (`SHARED_CONFIG` equal).
+        names: what a refusal calls each member (default `model 0`, `model 1`, ...; the CLI: its paths).
     """
 
-    def __init__(self, members):
+    def __init__(self, members, names=None):
         members = list(members)
         if len(members) < 2:
             raise UserError(f"An ensemble needs two or more models; got {len(members)}.")
-        problem = ensemble_mismatch([m.config for m in members], [f"model {i}" for i in range(len(members))])
+        names = [f"model {i}" for i in range(len(members))] if names is None else [str(n) for n in names]
+        problem = ensemble_mismatch([m.config for m in members], names)
         if problem:
             raise UserError(problem)
         self.members = members

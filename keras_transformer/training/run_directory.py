@@ -267,7 +267,7 @@ def load_run_models(paths, checkpoint=None):
     `Ensemble` of their models, with the first one's run (its tokenizer, its settings). The members
     must have one vocabulary (`train --tokenizer FIRST/tokenizer.model` gives the later ones the
     first's) and `ensemble.SHARED_CONFIG`; anything else is one line, before a search is built."""
-    from keras_transformer.model.ensemble import Ensemble, ensemble_mismatch
+    from keras_transformer.model.ensemble import Ensemble
 
     paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
     loaded = [load_run_model(path, checkpoint) for path in paths]
@@ -281,10 +281,7 @@ def load_run_models(paths, checkpoint=None):
                 f"{path} and {paths[0]} have different vocabularies: an ensemble's models share one "
                 f"(train the later ones with --tokenizer {runs[0].tokenizer_path})."
             )
-    problem = ensemble_mismatch([m.config for m in models], paths)
-    if problem:
-        raise UserError(problem)
-    return runs[0], Ensemble(models)
+    return runs[0], Ensemble(models, names=paths)
 
 
 def average_run(path, last, output=None):
