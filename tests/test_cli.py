@@ -85,6 +85,8 @@ def test_bad_input_gives_one_line_exit_2_and_no_run_directory(case, expected, tm
         ),
         (["--label-smoothing", "1"], "--label-smoothing must be in [0, 1); got 1.0."),
         (["--label-smoothing", "-0.1"], "--label-smoothing must be in [0, 1)"),
+        (["--cooldown", "0"], "argument --cooldown: expected a number > 0, got '0'"),
+        (["--cooldown", "1"], "--cooldown is a fraction of the run's updates, in (0, 1); got 1.0."),
     ],
 )
 def test_bad_training_option_gives_one_line_exit_2(arguments, expected, tmp_path, capsys):

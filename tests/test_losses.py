@@ -224,3 +224,34 @@ def test_noam_schedule_counts_updates_under_gradient_accumulation():
     for update in range(6):
         for call in range(4):  # Keras evaluates the schedule at every optimizer call
             assert float(accumulated(4 * update + call)) == pytest.approx(float(plain(update)))
+
+
+def test_noam_schedule_cooldown_falls_linearly_to_zero_over_the_last_updates():
+    plain = kt.NoamSchedule(d_model=64, warmup_steps=10)
+    cooled = kt.NoamSchedule(d_model=64, warmup_steps=10, total_steps=100, cooldown_steps=20)
+    for iterations in range(120):  # update iterations + 1
+        remaining = 100 - iterations  # this update and those after it
+        factor = min(1.0, max(0.0, remaining / 20))
+        assert float(cooled(iterations)) == pytest.approx(float(plain(iterations)) * factor, rel=1e-6)
+    assert float(cooled(99)) > 0 and float(cooled(100)) == 0  # the last update moves; none after it
+    # Serialized with the model's optimizer, so a resumed run keeps its cooldown.
+    again = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(cooled))
+    assert (again.total_steps, again.cooldown_steps) == (100, 20)
+    accumulated = kt.NoamSchedule(64, 10, steps_per_update=4, total_steps=100, cooldown_steps=20)
+    assert float(accumulated(4 * 90 + 3)) == pytest.approx(float(cooled(90)))  # counts updates
+    with pytest.raises(ValueError, match="total_steps"):
+        kt.NoamSchedule(64, 10, cooldown_steps=20)
+    with pytest.raises(ValueError, match="at most total_steps"):
+        kt.NoamSchedule(64, 10, total_steps=10, cooldown_steps=20)
+
+
+def test_cooldown_option_counts_the_runs_updates():
+    from keras_transformer.training.options import TrainingOptions
+    from keras_transformer.training.setup import cooldown_updates
+
+    assert cooldown_updates(TrainingOptions(out="r", epochs=50), 145) == (None, 0)
+    assert cooldown_updates(TrainingOptions(out="r", epochs=50, cooldown=0.2), 145) == (7250, 1450)
+    assert cooldown_updates(TrainingOptions(out="r", steps=1000, cooldown=0.1), 145) == (1000, 100)
+    options = TrainingOptions(out="r", epochs=10, grad_accum=4, cooldown=0.5)
+    assert cooldown_updates(options, 145) == (360, 180)  # 36 updates an epoch
+    assert cooldown_updates(TrainingOptions(out="r", steps=3, cooldown=0.01), 145) == (3, 1)

@@ -18,6 +18,8 @@ def make_optimizer(
     grad_accum=1,
     peak_learning_rate=None,
     clip_norm=None,
+    total_steps=None,
+    cooldown_steps=0,
     **adam_arguments,
 ):
     """Adam with β1 = 0.9, β2 = 0.98, ε = 1e-9 on `NoamSchedule(d_model, warmup_steps)`.
@@ -28,6 +30,8 @@ def make_optimizer(
     rate after `warmup_steps` (instead of `learning_rate_scale`; the same
     inverse-square-root shape). `clip_norm` rescales every update's gradients
     to a global norm of at most that (Keras' `global_clipnorm`).
+    `cooldown_steps` of `total_steps` updates: the rate falls linearly towards
+    zero over the run's last updates (`NoamSchedule`; 0: the paper's schedule).
     """
     arguments = dict(beta_1=0.9, beta_2=0.98, epsilon=1e-9)
     if grad_accum > 1:
@@ -38,7 +42,12 @@ def make_optimizer(
     if peak_learning_rate is not None:
         learning_rate_scale = NoamSchedule.scale_for_peak(peak_learning_rate, d_model, warmup_steps)
     schedule = NoamSchedule(
-        d_model, warmup_steps=warmup_steps, scale=learning_rate_scale, steps_per_update=grad_accum
+        d_model,
+        warmup_steps=warmup_steps,
+        scale=learning_rate_scale,
+        steps_per_update=grad_accum,
+        total_steps=total_steps,
+        cooldown_steps=cooldown_steps,
     )
     return keras.optimizers.Adam(learning_rate=schedule, **arguments)
 
@@ -52,6 +61,8 @@ def compile_transformer(
     grad_accum=1,
     peak_learning_rate=None,
     clip_norm=None,
+    total_steps=None,
+    cooldown_steps=0,
     fused_step=True,
     **compile_arguments,
 ):
@@ -64,7 +75,8 @@ def compile_transformer(
             `optimizer` is given).
         optimizer: overrides the paper's Adam.
         grad_accum: batches whose gradients make one update (see `make_optimizer`).
-        peak_learning_rate, clip_norm: see `make_optimizer`.
+        peak_learning_rate, clip_norm, total_steps, cooldown_steps: see
+            `make_optimizer`.
         fused_step: train with `FusedOutputLossStep` (the pre-softmax projection
             inside the loss: no logits, no projected padding; TensorFlow
             backend). On another backend it is not installed and the log says
@@ -79,7 +91,14 @@ def compile_transformer(
     model.compile(
         optimizer=optimizer
         or make_optimizer(
-            config.d_model, warmup_steps, learning_rate_scale, grad_accum, peak_learning_rate, clip_norm
+            config.d_model,
+            warmup_steps,
+            learning_rate_scale,
+            grad_accum,
+            peak_learning_rate,
+            clip_norm,
+            total_steps,
+            cooldown_steps,
         ),
         loss=LabelSmoothedCrossEntropy(label_smoothing=label_smoothing, pad_id=config.pad_id),
         metrics=[MaskedTokenAccuracy(pad_id=config.pad_id)],

@@ -160,6 +160,14 @@ class TrainingOptions:
         parse=positive_float,
         defines_run=True,
     )
+    cooldown: float = option(
+        help="over this fraction of the run's updates at its end (e.g. 0.2), the learning rate "
+        "also falls linearly to zero (not in the paper; default: none). Counted from --epochs or "
+        "--steps: a run that --max-minutes or --early-stopping ends sooner never gets there",
+        parse=positive_float,
+        metavar="FRACTION",
+        defines_run=True,
+    )
     clip_norm: float = option(
         help="clip each update's gradients to this global norm (default: no clipping)",
         parse=positive_float,
@@ -256,6 +264,10 @@ def check_options(options):
         raise UserError(
             "--learning-rate (the peak) and --learning-rate-scale both set the learning rate; "
             "give one of them."
+        )
+    if options.cooldown is not None and not options.cooldown < 1:
+        raise UserError(
+            f"--cooldown is a fraction of the run's updates, in (0, 1); got {options.cooldown!r}."
         )
     if not (isinstance(options.label_smoothing, (int, float)) and 0 <= options.label_smoothing < 1):
         raise UserError(f"--label-smoothing must be in [0, 1); got {options.label_smoothing!r}.")

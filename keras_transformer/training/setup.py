@@ -131,6 +131,12 @@ def prepare_run(run, options, log):
         f"{len(val_pairs[0]):,} validation pairs."
     )
     _warn_if_warmup_outlasts_the_run(options, batches.info.batches, log)
+    total_steps, cooldown_steps = cooldown_updates(options, batches.info.batches)
+    if cooldown_steps:
+        log(
+            f"Learning rate: falls linearly to zero over the last {cooldown_steps:,} of "
+            f"{total_steps:,} updates (--cooldown {options.cooldown})."
+        )
     # The model's layers take the mixed policy when they are made; the caller's global policy is
     # restored afterwards (a Python caller's next model is not silently mixed).
     previous_policy = keras.config.dtype_policy()
@@ -152,6 +158,8 @@ def prepare_run(run, options, log):
                 peak_learning_rate=options.learning_rate,
                 clip_norm=options.clip_norm,
                 jit_compile=options.xla,
+                total_steps=total_steps,
+                cooldown_steps=cooldown_steps,
             )
             build_for_fit(model)
     finally:
@@ -296,17 +304,32 @@ def _train_tokenizer(train_pairs, vocab_size, seed, log):
     return tokenizer
 
 
+def run_updates(options, batches_per_epoch):
+    """`(updates, how)`: the weight updates the whole run makes (`--steps`, or `--epochs` of
+    `batches_per_epoch` batches / `--grad-accum`), and the options that say so, for messages."""
+    if options.steps:
+        return options.steps, f"--steps {options.steps}"
+    updates = options.epochs * max(1, batches_per_epoch // options.grad_accum)
+    how = (
+        f"{options.epochs} epoch(s) of {batches_per_epoch} batches"
+        f"{f' / --grad-accum {options.grad_accum}' if options.grad_accum > 1 else ''}"
+    )
+    return updates, how
+
+
+def cooldown_updates(options, batches_per_epoch):
+    """`(total_steps, cooldown_steps)` of the learning-rate schedule for `--cooldown FRACTION`
+    (`(None, 0)` without it): the run's last `FRACTION` of its updates, at least one."""
+    if options.cooldown is None:
+        return None, 0
+    updates, _ = run_updates(options, batches_per_epoch)
+    return updates, max(1, round(options.cooldown * updates))
+
+
 def _warn_if_warmup_outlasts_the_run(options, batches_per_epoch, log):
     """A warning when the learning rate would still be warming up at the run's last update: it
     then never leaves its first small values, and a short run learns next to nothing."""
-    if options.steps:
-        updates, length = options.steps, f"--steps {options.steps}"
-    else:
-        updates = options.epochs * max(1, batches_per_epoch // options.grad_accum)
-        length = (
-            f"{options.epochs} epoch(s) of {batches_per_epoch} batches"
-            f"{f' / --grad-accum {options.grad_accum}' if options.grad_accum > 1 else ''}"
-        )
+    updates, length = run_updates(options, batches_per_epoch)
     if options.warmup_steps >= updates:
         log(
             f"Warning: --warmup-steps {options.warmup_steps} is longer than the whole run ({updates:,} "
