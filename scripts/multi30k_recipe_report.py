@@ -120,9 +120,12 @@ def run_results(run, epochs_asked, max_minutes, start, trained, end):
     test = read_json(run / "eval-multi30k-test.json")
     machine = harness.machine()
     cut = any(len(m["epochs"]) < epochs_asked and m.get("status") == "finished" for m in member_metrics)
+    settings = read_json(members[0] / "run.json")
     return {
         "machine": machine,
-        "model": model_summary(read_json(members[0] / "run.json")["model"]),
+        "model": model_summary(settings["model"]),
+        # Not in the paper: the fraction of the updates over which the learning rate falls to zero.
+        "cooldown": settings.get("options", {}).get("cooldown"),
         "members": len(members),
         "epochs_asked": epochs_asked,
         "epochs": min(len(m["epochs"]) for m in member_metrics),
@@ -187,7 +190,8 @@ def table(runs):
             f"{run['epochs_asked']}{cut} ({run['optimizer_steps']:,})",
             ensemble
             + "{num_layers}+{num_decoder_layers} layers, d_model {d_model}, d_ff {d_ff}, "
-            "dropout {dropout_rate}, BPE {vocab_size}".format(**run["model"]),
+            "dropout {dropout_rate}, BPE {vocab_size}".format(**run["model"])
+            + (f", learning-rate cooldown {run['cooldown']}" if run.get("cooldown") else ""),
             f"{machine['cpu']}, {machine['cores']} cores, {simd}",
             f"{run['seconds_per_epoch']['median']:.0f}",
             f"{minutes['total']:.0f} ({minutes['training']:.0f} + {minutes['evaluation']:.0f})",

@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCORES = {"bleu": 36.5, "bleu_signature": "s", "chrf": 62.0, "chrf_signature": "c", "paper_bleu": 37.0}
 
 
-def _fake_run(run, epochs, status="finished"):
+def _fake_run(run, epochs, status="finished", options=None):
     run.mkdir()
     entries = [
         {
@@ -27,7 +27,8 @@ def _fake_run(run, epochs, status="finished"):
     metrics = {"epochs": entries, "parameters": 2349056, "averaged": [epochs - 1, epochs], "status": status}
     (run / "metrics.json").write_text(json.dumps(metrics))
     model = dict(num_layers=3, num_decoder_layers=3, d_model=128, num_heads=4, d_ff=256, dropout_rate=0.3)
-    (run / "run.json").write_text(json.dumps({"model": {**model, "vocab_size": 8000, "pad_id": 0}}))
+    settings = {"model": {**model, "vocab_size": 8000, "pad_id": 0}, "options": options or {}}
+    (run / "run.json").write_text(json.dumps(settings))
     # evaluate_multi30k_run.sh's candidates, and a run's file from before beam sizes were candidates
     candidates = [
         ("eval-val-beam8-alpha1.0", 8, 1.0),
@@ -101,6 +102,13 @@ def test_the_table_has_one_row_per_run_and_says_when_the_limit_cut_it(tmp_path, 
     model = "3+3 layers, d_model 128, d_ff 256, dropout 0.3, BPE 8000"
     assert f"| 5, cut at 3 by --max-minutes (435) | {model} |" in table[2]
     assert "**36.50**" in table[2] and "| 35.00 (beam 5, α 1.0) |" in table[2]
+    # A run trained with --cooldown says so in its row (run.json's options).
+    _fake_run(tmp_path / "cooled", 4, options={"cooldown": 0.2, "epochs": 4})
+    _report(tmp_path / "cooled", results, tmp_path, asked=4, commit="ccc")
+    assert json.loads((tmp_path / "cooled" / "results.json").read_text())["cooldown"] == 0.2
+    rows = report.table(json.loads(results.read_text())["runs"]).splitlines()
+    assert f"| 4 (580) | {model}, learning-rate cooldown 0.2 |" in rows[2]
+    assert rows[3].startswith("| 5, cut at 3") and "cooldown" not in rows[3]
     document = tmp_path / "README.md"
     document.write_text(f"before\n{report.BEGIN}\nold table\n{report.END}\nafter\n")
     report.replace_table(document, "\n".join(table))
