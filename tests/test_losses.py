@@ -253,5 +253,5 @@ def test_cooldown_option_counts_the_runs_updates():
     assert cooldown_updates(TrainingOptions(out="r", epochs=50, cooldown=0.2), 145) == (7250, 1450)
     assert cooldown_updates(TrainingOptions(out="r", steps=1000, cooldown=0.1), 145) == (1000, 100)
     options = TrainingOptions(out="r", epochs=10, grad_accum=4, cooldown=0.5)
-    assert cooldown_updates(options, 145) == (360, 180)  # 36 updates an epoch
+    assert cooldown_updates(options, 145) == (362, 181)  # 1,450 batches: updates span epochs
     assert cooldown_updates(TrainingOptions(out="r", steps=3, cooldown=0.01), 145) == (3, 1)

@@ -306,10 +306,12 @@ def _train_tokenizer(train_pairs, vocab_size, seed, log):
 
 def run_updates(options, batches_per_epoch):
     """`(updates, how)`: the weight updates the whole run makes (`--steps`, or `--epochs` of
-    `batches_per_epoch` batches / `--grad-accum`), and the options that say so, for messages."""
+    `batches_per_epoch` batches / `--grad-accum`), and the options that say so, for messages.
+    Keras' gradient accumulation counts batches across epochs, so an update may take batches of
+    two epochs: the run's batches are divided, not each epoch's."""
     if options.steps:
         return options.steps, f"--steps {options.steps}"
-    updates = options.epochs * max(1, batches_per_epoch // options.grad_accum)
+    updates = max(1, options.epochs * batches_per_epoch // options.grad_accum)
     how = (
         f"{options.epochs} epoch(s) of {batches_per_epoch} batches"
         f"{f' / --grad-accum {options.grad_accum}' if options.grad_accum > 1 else ''}"
