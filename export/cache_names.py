@@ -30,3 +30,9 @@ def cross_names(num_layers):
 def present_names(num_layers):
     """`decoder_step`'s updated self-attention caches, matching `past_names`."""
     return _names(CACHE_OUTPUTS, num_layers)
+
+
+def cache_layers(config):
+    """The decoder layers of an export's cache from `export.json`'s `model` config: an ensemble's
+    `cache_layers` (its members' layers one after another), else the model's decoder layers."""
+    return config.get("cache_layers") or config["num_decoder_layers"] or config["num_layers"]

@@ -21,7 +21,7 @@ def add_export_command(commands):
     export = commands.add_parser(
         "export", help="write a TF Serving SavedModel, ONNX graphs or a CTranslate2 model"
     )
-    add_model_arguments(export, batch=False)
+    add_model_arguments(export, batch=False, ensemble=True)
     export.add_argument(
         "--max-extra-length",
         type=int,
@@ -151,7 +151,7 @@ def _xla_buckets(args):
 
 
 def _export(args):
-    from keras_transformer.training.run_directory import RunDirectory, load_run_model, resolve_model
+    from keras_transformer.training.run_directory import RunDirectory, load_run_models, resolve_model
     from keras_transformer.utils.checks import UserError
     from keras_transformer_export.layout import check_free, check_model_name, export_lock
 
@@ -183,12 +183,24 @@ def _export(args):
             f"BLEU); drop {'it' if len(gate_options) == 1 else 'them'} or add "
             f"--quantization int8."
         )
+    if args.format == "ctranslate2" and len(args.model) > 1:
+        raise UserError(
+            f"--format ctranslate2 takes one model (CTranslate2 has no ensembles); got {len(args.model)}. "
+            f"Export an ensemble with --format onnx or saved_model."
+        )
     xla = _xla_buckets(args)
-    if args.checkpoint is None:  # the run and its model file, or one line on what is missing
-        run = resolve_model(args.model)[0]
+    if args.checkpoint is None:  # the runs and their model files, or one line on what is missing
+        runs = [resolve_model(path)[0] for path in args.model]
     else:  # the checkpoint is looked for once the destination is known to be free
-        run = RunDirectory(args.model)
-        run.settings()
+        runs = [RunDirectory(path) for path in args.model]
+        for run in runs:
+            run.settings()
+    run = runs[0]  # an ensemble's tokenizer, settings and validation data: its first model's
+    if args.format == "saved_model" and len(runs) > 1 and not args.name:
+        raise UserError(
+            "--format saved_model with several --model (an ensemble) needs --name: the TF Serving "
+            "model name (one model's default is its run directory's name)."
+        )
     name = check_model_name(args.name or os.path.basename(os.path.abspath(run.path)))
     # One exporter at a time per destination: the TF Serving base directory
     # (versions and models.config), or the ONNX/CTranslate2 directory's parent.
@@ -199,7 +211,7 @@ def _export(args):
             check_free(out, args.overwrite)
         elif args.version is not None:
             check_free(os.path.join(out, name, str(args.version)), args.overwrite)
-        model = load_run_model(args.model, args.checkpoint)[1]
+        model = load_run_models(args.model, args.checkpoint)[1]  # several: their Ensemble
         tokenizer = run.tokenizer()
         if args.format == "ctranslate2":
             return _write_ctranslate2(args, model, tokenizer)

@@ -44,19 +44,33 @@ from keras_transformer.decoding.request import align, decode, search_choice
 from keras_transformer.decoding.translator import checked_request, log_likelihood, option_specs
 from keras_transformer.layers.decoding_cache import DecodingCache
 from keras_transformer.layers.masks import padding_mask
+from keras_transformer.model.ensemble import Ensemble
 from keras_transformer.model.transformer import Transformer
 from keras_transformer.utils import keras_compat
 from keras_transformer.utils.checks import UserError
 from keras_transformer_export.cache_names import CACHE_INPUTS, cross_names, present_names
 
 
+def members(model):
+    """The `Transformer`s of `model`: an `Ensemble`'s members, else `[model]`."""
+    return list(model.members) if isinstance(model, Ensemble) else [model]
+
+
+def cache_layers(model):
+    """The decoder layers of `model`'s `DecodingCache`: an `Ensemble`'s members' one after another."""
+    return sum(len(member.decoder.stack_layers) for member in members(model))
+
+
 def float32_model(model):
-    """`model` itself when it computes in float32, else a float32 copy with the same weights.
+    """`model` itself when it computes in float32, else a float32 copy with the same weights
+    (an `Ensemble`: of its members that do not).
 
     A model trained with a mixed policy keeps float32 variables, so the copy
     loses nothing; exported graphs then have float32 inputs, logits and
     caches on every runtime (ONNX Runtime's CPU provider has few half-precision kernels).
     """
+    if isinstance(model, Ensemble):
+        return Ensemble([float32_model(member) for member in model.members])
     if all(layer.compute_dtype == "float32" for layer in (model, *keras_compat.sublayers(model))):
         return model
     config = model.get_config()
@@ -87,7 +101,9 @@ class TranslationGraphs:
     """The exported computations of one model (see the module docstring).
 
     Args:
-        model: a trained `Transformer` (made float32 if it is not).
+        model: a trained `Transformer` (made float32 if it is not), or an `Ensemble` of them:
+            its members' caches side by side in every graph (`cache_layers`: their decoder
+            layers one after another) and their mean next-token distribution.
         tokenizer: its `Tokenizer`.
         beam_size: of the beam search, fixed into the translate graphs (4).
         **options: `DecodingOptions` fields: fixed into `serving_default` and
@@ -112,7 +128,7 @@ class TranslationGraphs:
             self.options.length_penalty,
             self.options.max_extra_length,
         )
-        self.num_layers = len(self.model.decoder.stack_layers)
+        self.num_layers = cache_layers(self.model)
         self.depth = self.config.d_model // self.config.num_heads
         self.blank = np.array(policy.blank_ids(tokenizer.processor.id_to_piece, tokenizer.vocab_size), bool)
 
@@ -412,9 +428,18 @@ class TranslationGraphs:
             "keras_transformer": keras_transformer.__version__,
             "tensorflow": tf.__version__,
             "keras": keras.__version__,
-            "model": self.config.to_dict(),
+            "model": self.model_metadata(),
             "decoding": {"beam_size": self.beam_size, **dataclasses.asdict(self.options)},
         }
+
+    def model_metadata(self):
+        """`export.json`'s `model`: the config (an ensemble: its first member's, every member's
+        under `ensemble`, and the joint cache's `cache_layers`: `cache_names.cache_layers`)."""
+        config = self.config.to_dict()
+        if isinstance(self.model, Ensemble):
+            config["ensemble"] = [member.config.to_dict() for member in self.model.members]
+            config["cache_layers"] = self.num_layers
+        return config
 
     def source_ids(self, text, repair_utf8=False):
         """Strings -> padded, EOS-terminated source ids, truncated to `max_length`."""

@@ -51,6 +51,7 @@ import numpy as np
 from onnx import AttributeProto, TensorProto, helper, numpy_helper
 
 from keras_transformer.decoding import policy
+from keras_transformer_export.cache_names import cache_layers
 from keras_transformer_export.graph_rewrites import prefixed_graph
 from keras_transformer_export.onnx_runtime import LEAN_GRAPH
 from keras_transformer_export.onnx_runtime import LEAN_OPTIONS as OPTION_INPUTS
@@ -478,7 +479,7 @@ def lean_translate_graph(encoder, decoder_step, config, decoding, blank):
     `blank` `(vocab,)` bool (`policy.blank_ids`)."""
     beam, vocab = decoding["beam_size"], config["target_vocab_size"] or config["vocab_size"]
     pad, bos, eos = config["pad_id"], config["bos_id"], config["eos_id"]
-    layers = config["num_decoder_layers"] or config["num_layers"]
+    layers = cache_layers(config)
     heads, depth = config["num_heads"], config["d_model"] // config["num_heads"]
     caches = [f"past_{kind}_{i}" for kind in ("key", "value") for i in range(layers)]
     crosses = [f"cross_{kind}_{i}" for kind in ("key", "value") for i in range(layers)]

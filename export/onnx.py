@@ -124,7 +124,7 @@ def export_onnx(
         models["decoder_step"], extra["step_rewrites"] = leaner_step(models["decoder_step"])
         models[TEXT_GRAPH] = text_graph(graphs, models["translate"])
         models[LEAN_GRAPH] = lean_translate_graph(
-            models["encoder"], models["decoder_step"], graphs.config.to_dict(),
+            models["encoder"], models["decoder_step"], graphs.model_metadata(),
             {"beam_size": graphs.beam_size, **dataclasses.asdict(graphs.options)}, graphs.blank,
         )  # fmt: skip
         for stem, model in models.items():

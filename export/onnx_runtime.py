@@ -35,7 +35,7 @@ import sys
 
 import numpy as np
 
-from keras_transformer_export.cache_names import cross_names, past_names, present_names
+from keras_transformer_export.cache_names import cache_layers, cross_names, past_names, present_names
 from keras_transformer_export.request_pieces import encode_each
 
 
@@ -123,7 +123,7 @@ class SplitBeamSearch:
         decoding = metadata["decoding"]
         self.beam_size = decoding["beam_size"]
         self.options = export_options(metadata)
-        self.num_layers = self.config["num_decoder_layers"] or self.config["num_layers"]
+        self.num_layers = cache_layers(self.config)
         self.encoder = make_session(os.path.join(export_dir, "encoder.onnx"), threads)
         self.decoder = make_session(os.path.join(export_dir, "decoder_step.onnx"), threads)
         align_path = os.path.join(export_dir, "align.onnx")

@@ -38,7 +38,7 @@ import os
 import keras
 
 from keras_transformer_export import xla_serving
-from keras_transformer_export.graphs import TranslationGraphs
+from keras_transformer_export.graphs import TranslationGraphs, members
 from keras_transformer_export.layout import (
     atomic_directory,
     check_model_name,
@@ -83,7 +83,8 @@ def export_saved_model(graphs, out_dir, name, version=None, overwrite=False, xla
     path = os.path.join(model_dir, str(int(version)))
     with atomic_directory(path, overwrite=overwrite) as temporary:
         archive = keras.export.ExportArchive()
-        archive.track(graphs.model)
+        for member in members(graphs.model):  # an ensemble's every member
+            archive.track(member)
         for signature, function in SIGNATURES:
             archive.add_endpoint(signature, graphs.function(function))
         requests = warmup_requests(graphs, name)

@@ -588,3 +588,51 @@ def test_xla_options_are_refused_where_they_do_not_apply(tmp_path, capsys):
     assert XlaBuckets((32, 1, 8, 8), (500, 16)).for_model(256) == XlaBuckets((1, 8, 32), (16, 256))
     with pytest.raises(UserError, match="XLA batch sizes must be integers >= 1"):
         XlaBuckets((), (16,)).for_model(256)
+
+
+def test_an_ensemble_exports_and_every_runtime_decodes_it_as_keras(trained_run, sentences, tmp_path, capsys):
+    """`export --model A B`: the SavedModel and every ONNX graph search the members' mean
+    distribution with the tokens of Keras's `Ensemble`; CTranslate2 refuses it in one line."""
+    import shutil
+
+    import keras
+
+    from keras_transformer.training.run_directory import load_run_models
+    from keras_transformer_export.parity import check_parity
+
+    # A second member: the tiny run's model with other weights (same vocabulary, as `train
+    # --tokenizer` would give it), in a run directory beside the first.
+    second = tmp_path / "runs" / "second"
+    shutil.copytree(trained_run, second, ignore=shutil.ignore_patterns("checkpoints", "state", "*.lock"))
+    first_model = keras.saving.load_model(trained_run / "model.keras")
+    rng = np.random.default_rng(7)
+    first_model.set_weights([w * (1 + 0.2 * rng.standard_normal(w.shape)) for w in first_model.get_weights()])
+    first_model.save(second / "model.keras")
+    models = [str(trained_run), str(second)]
+
+    ct2 = ["export", "--model", *models, "--format", "ctranslate2", "--out", str(tmp_path / "ct2")]
+    assert cli.main(ct2) == 2 and "CTranslate2 has no ensembles" in capsys.readouterr().err
+    assert not (tmp_path / "ct2").exists()
+
+    onnx_dir, serving = tmp_path / "onnx", tmp_path / "serving"
+    assert cli.main(["export", "--model", *models, "--format", "onnx", "--out", str(onnx_dir)]) == 0
+    saved_model = ["export", "--model", *models, "--format", "saved_model", "--out", str(serving)]
+    assert cli.main(saved_model) == 2 and "needs --name" in capsys.readouterr().err  # no run's name fits
+    assert cli.main([*saved_model, "--name", "pair"]) == 0
+    model = json.loads((onnx_dir / "export.json").read_text())["model"]
+    assert model["cache_layers"] == 2 * (model["num_decoder_layers"] or model["num_layers"])
+    assert len(model["ensemble"]) == 2
+
+    run, ensemble = load_run_models(models)
+    report = check_parity(ensemble, run.tokenizer(), sentences, str(serving / "pair" / "1"), str(onnx_dir))
+    assert set(report["runtimes"]) == {"saved_model", "onnx_full", "onnx_split", "onnx_lean", "onnx_text"}
+    for name, found in report["runtimes"].items():
+        assert found["identical"] == len(sentences), (name, found["first_difference"])
+    assert report["max_logit_difference"] < 1e-4
+    # ... and that logit check tells the ensemble from either member alone.
+    source_ids = run.tokenizer().encode(sentences[:4], max_length=model["max_length"])
+    inputs = {"source_ids": source_ids, "target_ids": np.full((4, 3), model["bos_id"], np.int32)}
+    mean = np.asarray(ensemble(inputs))
+    for member in ensemble.members:
+        alone = np.asarray(keras.ops.log_softmax(member(inputs), axis=-1))
+        assert np.max(np.abs(alone - mean)) > 1e-2

@@ -21,7 +21,8 @@ Its tensors are the members' side by side:
 - "logits" `(rows, vocab)`: log of the mean probability, already normalized (a
   log-softmax of them returns them).
 
-Keras only: the exports (SavedModel, ONNX, CTranslate2) take one model.
+`keras-transformer export --model A B` writes an ensemble's SavedModel and ONNX graphs
+(their searches run on all members); CTranslate2 has no ensembles.
 """
 
 import math

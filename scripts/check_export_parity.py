@@ -1,0 +1,82 @@
+"""Do a model's exports translate a whole split exactly like Keras? One model or an ensemble.
+
+`keras_transformer_export.parity.check_parity` (what `make demo` runs on 100 sentences) on the
+sentences of a Multi30k split: Keras's `Translator` is the reference, then the SavedModel's
+`serving_default` (`--saved-model VERSION_DIR`) and ONNX Runtime's every search over
+`--onnx DIR` (`translate.onnx`, `encoder.onnx` + `decoder_step.onnx`, `translate_lean.onnx`, and
+`translate_text.onnx` in a process without TensorFlow), and `forward.onnx`'s largest logit
+difference; with the references, each one's sacreBLEU. Several `--model`s: their `Ensemble`,
+as `keras-transformer export --model A B` exports it. The exports must have been made with the
+beam size and length penalty given here (the export's defaults: beam 4, alpha 0.6).
+
+    python scripts/check_export_parity.py --model runs/multi30k/member-0/averaged.keras \\
+        runs/multi30k/member-1/averaged.keras --onnx exports/multi30k-onnx \\
+        [--saved-model exports/multi30k/1] [--split test2016] [--limit N] \\
+        [--json results/export_parity.json]
+"""
+
+import time
+
+import harness
+
+harness.tensorflow()
+
+
+def main():
+    import sacrebleu
+
+    from keras_transformer.decoding import policy
+    from keras_transformer.decoding.translator import Translator
+    from keras_transformer.training.run_directory import load_run_models
+    from keras_transformer_export.onnx_runtime import OnnxTranslator
+    from keras_transformer_export.parity import check_parity
+
+    parser = harness.parser(__doc__, "export_parity")
+    parser.add_argument(
+        "--model", required=True, nargs="+", help="one run or .keras file; several: an ensemble"
+    )
+    parser.add_argument("--onnx", help="an `export --format onnx` directory")
+    parser.add_argument("--saved-model", help="a SavedModel version directory (OUT/NAME/VERSION)")
+    parser.add_argument("--beam-size", type=int, default=policy.BEAM_SIZE)
+    parser.add_argument("--length-penalty", type=float, default=policy.LENGTH_PENALTY)
+    parser.add_argument("--limit", type=int, help="the split's first N sentences (default: all)")
+    harness.add_sentences(parser)
+    args = parser.parse_args()
+    if not (args.onnx or args.saved_model):
+        parser.error("give --onnx, --saved-model or both.")
+
+    sources, references = harness.read_multi30k(args.data_dir, args.split, args.source_lang)
+    sources, references = sources[: args.limit], references[: args.limit]
+    run, model = load_run_models(args.model)
+    tokenizer = run.tokenizer()
+    start = time.perf_counter()
+    report = check_parity(
+        model, tokenizer, sources, args.saved_model, args.onnx, args.beam_size, args.length_penalty
+    )
+    seconds = time.perf_counter() - start
+    # BLEU of Keras's translations (the reference of every row) and of the lean ONNX search.
+    bleu = {}
+    keras_texts = Translator(
+        model, tokenizer, beam_size=args.beam_size, length_penalty=args.length_penalty
+    ).translate(sources)[0]
+    bleu["keras"] = sacrebleu.corpus_bleu(keras_texts, [references]).score
+    if args.onnx:
+        lean = OnnxTranslator(args.onnx, "lean").translate(sources)[0]
+        bleu["onnx_lean"] = sacrebleu.corpus_bleu(lean, [references]).score
+    rows = [
+        [name, f"{found['identical']}/{report['sentences']}", found["first_difference"] or ""]
+        for name, found in report["runtimes"].items()
+    ]
+    harness.print_table(["runtime", "identical to Keras", "first difference"], rows)
+    print(
+        f"\n{len(args.model)} model(s), {args.split}, beam {args.beam_size}, alpha {args.length_penalty}: "
+        f"sacreBLEU {', '.join(f'{k} {v:.2f}' for k, v in bleu.items())}; largest forward.onnx logit "
+        f"difference {report.get('max_logit_difference', float('nan')):.2e}; {seconds:.0f} s"
+    )
+    harness.write_report(
+        args.json, settings=vars(args), results={**report, "bleu": bleu, "seconds": round(seconds, 1)}
+    )
+
+
+if __name__ == "__main__":
+    main()
