@@ -27,9 +27,10 @@ def _seed_and_float32_policy():
     keras.config.set_dtype_policy("float32")
 
 
-# Session fixtures that cost a minute or more: under pytest-xdist (`make test` runs two workers),
-# every test that uses one of them goes to the same worker, so each is built once.
-_EXPENSIVE_FIXTURES = ("reverse_model", "trained_run")
+# Session fixtures that cost a minute or more (and `document_run`, which the longest document
+# tests share below): under pytest-xdist (`make test` runs two workers), every test that uses one
+# of them goes to the same worker, so each is built once.
+_EXPENSIVE_FIXTURES = ("reverse_model", "trained_run", "document_run")
 
 
 @pytest.hookimpl(wrapper=True)  # runs before xdist's own hook, which reads the xdist_group markers
