@@ -227,12 +227,17 @@ def export_ctranslate2(
     `export.json` as `CTranslate2Translator`'s defaults.
     """
     from keras_transformer.data.tokenizer import Tokenizer
+    from keras_transformer.model.ensemble import Ensemble
 
     ctranslate2 = _ctranslate2()
     if quantization not in QUANTIZATIONS:
         raise UserError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {quantization!r}.")
     if not isinstance(tokenizer, Tokenizer):
         raise TypeError(f"tokenizer must be a keras_transformer Tokenizer; got {tokenizer!r}.")
+    if isinstance(model, Ensemble):
+        raise UserError(
+            "CTranslate2 has no ensembles: export one model, or the ensemble to ONNX or a SavedModel."
+        )
     spec = transformer_spec(model, tokenizer)
     spec.validate()
     spec.optimize(quantization=quantization)

@@ -56,11 +56,6 @@ def members(model):
     return list(model.members) if isinstance(model, Ensemble) else [model]
 
 
-def cache_layers(model):
-    """The decoder layers of `model`'s `DecodingCache`: an `Ensemble`'s members' one after another."""
-    return sum(len(member.decoder.stack_layers) for member in members(model))
-
-
 def float32_model(model):
     """`model` itself when it computes in float32, else a float32 copy with the same weights
     (an `Ensemble`: of its members that do not).
@@ -102,7 +97,7 @@ class TranslationGraphs:
 
     Args:
         model: a trained `Transformer` (made float32 if it is not), or an `Ensemble` of them:
-            its members' caches side by side in every graph (`cache_layers`: their decoder
+            its members' caches side by side in every graph (`num_layers`: their decoder
             layers one after another) and their mean next-token distribution.
         tokenizer: its `Tokenizer`.
         beam_size: of the beam search, fixed into the translate graphs (4).
@@ -128,7 +123,8 @@ class TranslationGraphs:
             self.options.length_penalty,
             self.options.max_extra_length,
         )
-        self.num_layers = cache_layers(self.model)
+        # The cache's decoder layers: an ensemble's members' one after another.
+        self.num_layers = sum(len(member.decoder.stack_layers) for member in members(self.model))
         self.depth = self.config.d_model // self.config.num_heads
         self.blank = np.array(policy.blank_ids(tokenizer.processor.id_to_piece, tokenizer.vocab_size), bool)
 

@@ -5,7 +5,8 @@ sentences of a Multi30k split: Keras's `Translator` is the reference, then the S
 `serving_default` (`--saved-model VERSION_DIR`) and ONNX Runtime's every search over
 `--onnx DIR` (`translate.onnx`, `encoder.onnx` + `decoder_step.onnx`, `translate_lean.onnx`, and
 `translate_text.onnx` in a process without TensorFlow), and `forward.onnx`'s largest logit
-difference; with the references, each one's sacreBLEU. Several `--model`s: their `Ensemble`,
+difference, `--chunk` sentences at a time (the SavedModel takes each chunk in one call); and
+the sacreBLEU of Keras's and the lean graph's translations. Several `--model`s: their `Ensemble`,
 as `keras-transformer export --model A B` exports it. The exports must have been made with the
 beam size and length penalty given here (the export's defaults: beam 4, alpha 0.6).
 
@@ -40,6 +41,7 @@ def main():
     parser.add_argument("--beam-size", type=int, default=policy.BEAM_SIZE)
     parser.add_argument("--length-penalty", type=float, default=policy.LENGTH_PENALTY)
     parser.add_argument("--limit", type=int, help="the split's first N sentences (default: all)")
+    parser.add_argument("--chunk", type=int, default=100, help="sentences per call of each runtime (100)")
     harness.add_sentences(parser)
     args = parser.parse_args()
     if not (args.onnx or args.saved_model):
@@ -50,9 +52,24 @@ def main():
     run, model = load_run_models(args.model)
     tokenizer = run.tokenizer()
     start = time.perf_counter()
-    report = check_parity(
-        model, tokenizer, sources, args.saved_model, args.onnx, args.beam_size, args.length_penalty
-    )
+    report = {"sentences": len(sources), "runtimes": {}}
+    for first in range(0, len(sources), args.chunk):  # one call per runtime holds a chunk in memory
+        part = check_parity(
+            model, tokenizer, sources[first : first + args.chunk], args.saved_model, args.onnx,
+            args.beam_size, args.length_penalty,
+        )  # fmt: skip
+        for name, found in part["runtimes"].items():
+            total = report["runtimes"].setdefault(name, {"identical": 0, "first_difference": None})
+            total["identical"] += found["identical"]
+            if total["first_difference"] is None and found["first_difference"] is not None:
+                total["first_difference"] = {
+                    **found["first_difference"],
+                    "index": first + found["first_difference"]["index"],
+                }
+        if "max_logit_difference" in part:
+            report["max_logit_difference"] = max(
+                report.get("max_logit_difference", 0.0), part["max_logit_difference"]
+            )
     seconds = time.perf_counter() - start
     # BLEU of Keras's translations (the reference of every row) and of the lean ONNX search.
     bleu = {}
