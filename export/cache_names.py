@@ -34,5 +34,5 @@ def present_names(num_layers):
 
 def cache_layers(config):
     """The decoder layers of an export's cache from `export.json`'s `model` config: an ensemble's
-    `cache_layers` (its members' layers one after another), else the model's decoder layers."""
-    return config.get("cache_layers") or config["num_decoder_layers"] or config["num_layers"]
+    (`ensemble`: every member's config) its members' layers one after another, else the model's."""
+    return sum(m["num_decoder_layers"] or m["num_layers"] for m in config.get("ensemble", [config]))

@@ -429,12 +429,11 @@ class TranslationGraphs:
         }
 
     def model_metadata(self):
-        """`export.json`'s `model`: the config (an ensemble: its first member's, every member's
-        under `ensemble`, and the joint cache's `cache_layers`: `cache_names.cache_layers`)."""
+        """`export.json`'s `model`: the config (an ensemble: its first member's, and every member's
+        under `ensemble`, from which `cache_names.cache_layers` counts the joint cache's layers)."""
         config = self.config.to_dict()
         if isinstance(self.model, Ensemble):
             config["ensemble"] = [member.config.to_dict() for member in self.model.members]
-            config["cache_layers"] = self.num_layers
         return config
 
     def source_ids(self, text, repair_utf8=False):

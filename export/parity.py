@@ -28,9 +28,11 @@ def check_parity(
     onnx_dir=None,
     beam_size=policy.BEAM_SIZE,
     length_penalty=policy.LENGTH_PENALTY,
+    keep_translations=False,
 ):
     """A report `{"sentences", "runtimes": {name: {"identical", "first_difference"}},
-    "max_logit_difference"}`.
+    "max_logit_difference"}`; with `keep_translations`, also `"translations": {name: texts}`
+    (Keras's as `keras`).
 
     `identical` counts the translations equal to Keras's (the reference).
     """
@@ -60,6 +62,8 @@ def check_parity(
             if not differences
             else {"index": differences[0], "keras": reference[differences[0]], name: texts[differences[0]]},
         }
+    if keep_translations:
+        report["translations"] = {"keras": list(reference), **outputs}
     return report
 
 

@@ -6,7 +6,7 @@ sentences of a Multi30k split: Keras's `Translator` is the reference, then the S
 `--onnx DIR` (`translate.onnx`, `encoder.onnx` + `decoder_step.onnx`, `translate_lean.onnx`, and
 `translate_text.onnx` in a process without TensorFlow), and `forward.onnx`'s largest logit
 difference, `--chunk` sentences at a time (the SavedModel takes each chunk in one call); and
-the sacreBLEU of Keras's and the lean graph's translations. Several `--model`s: their `Ensemble`,
+the sacreBLEU of every runtime's translations. Several `--model`s: their `Ensemble`,
 as `keras-transformer export --model A B` exports it. The exports must have been made with the
 beam size and length penalty given here (the export's defaults: beam 4, alpha 0.6).
 
@@ -27,9 +27,7 @@ def main():
     import sacrebleu
 
     from keras_transformer.decoding import policy
-    from keras_transformer.decoding.translator import Translator
     from keras_transformer.training.run_directory import load_run_models
-    from keras_transformer_export.onnx_runtime import OnnxTranslator
     from keras_transformer_export.parity import check_parity
 
     parser = harness.parser(__doc__, "export_parity")
@@ -52,12 +50,14 @@ def main():
     run, model = load_run_models(args.model)
     tokenizer = run.tokenizer()
     start = time.perf_counter()
-    report = {"sentences": len(sources), "runtimes": {}}
+    report, translations = {"sentences": len(sources), "runtimes": {}}, {}
     for first in range(0, len(sources), args.chunk):  # one call per runtime holds a chunk in memory
         part = check_parity(
             model, tokenizer, sources[first : first + args.chunk], args.saved_model, args.onnx,
-            args.beam_size, args.length_penalty,
+            args.beam_size, args.length_penalty, keep_translations=True,
         )  # fmt: skip
+        for name, texts in part.pop("translations").items():
+            translations.setdefault(name, []).extend(texts)
         for name, found in part["runtimes"].items():
             total = report["runtimes"].setdefault(name, {"identical": 0, "first_difference": None})
             total["identical"] += found["identical"]
@@ -71,15 +71,7 @@ def main():
                 report.get("max_logit_difference", 0.0), part["max_logit_difference"]
             )
     seconds = time.perf_counter() - start
-    # BLEU of Keras's translations (the reference of every row) and of the lean ONNX search.
-    bleu = {}
-    keras_texts = Translator(
-        model, tokenizer, beam_size=args.beam_size, length_penalty=args.length_penalty
-    ).translate(sources)[0]
-    bleu["keras"] = sacrebleu.corpus_bleu(keras_texts, [references]).score
-    if args.onnx:
-        lean = OnnxTranslator(args.onnx, "lean").translate(sources)[0]
-        bleu["onnx_lean"] = sacrebleu.corpus_bleu(lean, [references]).score
+    bleu = {name: sacrebleu.corpus_bleu(texts, [references]).score for name, texts in translations.items()}
     rows = [
         [name, f"{found['identical']}/{report['sentences']}", found["first_difference"] or ""]
         for name, found in report["runtimes"].items()

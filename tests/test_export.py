@@ -599,6 +599,7 @@ def test_an_ensemble_exports_and_every_runtime_decodes_it_as_keras(document_run,
     import keras
 
     from keras_transformer.training.run_directory import load_run_models
+    from keras_transformer_export.cache_names import cache_layers
     from keras_transformer_export.parity import check_parity
 
     # A second member: the tiny run's model with other weights (same vocabulary, as `train
@@ -625,10 +626,11 @@ def test_an_ensemble_exports_and_every_runtime_decodes_it_as_keras(document_run,
     assert cli.main(saved_model) == 2 and "needs --name" in capsys.readouterr().err
     assert not serving.exists()
     model = json.loads((onnx_dir / "export.json").read_text())["model"]
-    assert model["cache_layers"] == 2 * (model["num_decoder_layers"] or model["num_layers"])
+    assert cache_layers(model) == 2 * (model["num_decoder_layers"] or model["num_layers"])
     assert len(model["ensemble"]) == 2
 
     run, ensemble = load_run_models(models)
+    assert cache_layers(model) == sum(len(member.decoder.stack_layers) for member in ensemble.members)
     report = check_parity(ensemble, run.tokenizer(), sentences, onnx_dir=str(onnx_dir))
     assert set(report["runtimes"]) == {"onnx_full", "onnx_split", "onnx_lean", "onnx_text"}
     for name, found in report["runtimes"].items():
