@@ -27,6 +27,22 @@ def _mean_log_probs(logits):
     return np.log(np.mean(probs, axis=0))
 
 
+@pytest.mark.parametrize("members", [2, 3])
+def test_the_mean_is_logsumexp_over_the_members_without_its_stack_and_guards(members):
+    """`Ensemble._mean` is `ops.logsumexp` of the stacked log-softmaxes (minus log n), bit for bit,
+    and stays finite where the members disagree by thousands of nats."""
+    from keras import ops
+
+    rng = np.random.default_rng(members)
+    for scale in (1.0, 30.0, 3000.0):
+        logits = [(rng.normal(size=(16, 500)) * scale).astype("float32") for _ in range(members)]
+        stacked = ops.stack([ops.log_softmax(x, axis=-1) for x in logits])
+        expected = np.asarray(ops.logsumexp(stacked, axis=0) - np.log(members).astype("float32"))
+        found = np.asarray(kt.Ensemble._mean(logits))
+        assert np.isfinite(found).all()
+        np.testing.assert_array_equal(found, expected, err_msg=f"scale {scale}")
+
+
 @pytest.mark.parametrize("policy", ["fixed", "growing"])
 def test_each_step_is_the_log_of_the_members_mean_probability(policy):
     members = _members()
