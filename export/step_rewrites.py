@@ -17,7 +17,10 @@ position per row, four things are known that the converted graph does not use:
    (+ `Relu`) into one `Gemm` / `FusedGemm`, which it only does for matrices: the same sums
    (ONNX Runtime's SGEMM adds the bias to a finished dot product as long as the inner dimension
    is at most 256, measured: from 512 on, a `Gemm` sums in two blocks and differs in the last
-   bit, and `verified` below then keeps the step without this rewrite).
+   bit). So a product over more than `GEMM_EXACT_DEPTH` terms keeps its bias apart: its `Add`
+   is written as `Sum` of the same two operands (the same addition; ONNX Runtime fuses only
+   `Add`), and the step still gets its matrices (the recipe's d_ff 512 model: its feed-forward
+   output).
 3. **A scaled query reshaped twice** (`collapse_scaled_reshapes`): `Reshape(Mul(Reshape(x, a),
    c), b)` with a scalar `c` becomes `Reshape(Mul(x, c), b)`.
 4. **The new position's heads are one reshape away** (`split_heads_once`): a self-attention's
@@ -66,6 +69,9 @@ SHAPE_ARITHMETIC = frozenset(
 POSITION = "/by_gather"
 # `Shape(past_key_0)`'s axis that holds the number of positions decoded so far.
 CACHE_LENGTH_AXIS = 2
+# The most terms a product may sum for ONNX Runtime's `Gemm` to add its bias after them, in the
+# bits of `MatMul` + `Add` (module docstring, 2); a deeper product's bias stays apart.
+GEMM_EXACT_DEPTH = 256
 # ONNX Runtime's optimizers that `verified` leaves out (its docstring).
 UNSEEN_FUSIONS = ("SkipLayerNormFusion",)
 
@@ -236,9 +242,24 @@ def _rows_as_matrices(graph):
 
     # Phase 2: each reader of rows checked (and its constants reshaped) with all rows known.
     readers = [node for node in graph.node if any(name in rows for name in node.input)]
-    return all(
+    if not all(
         _reads_rows(node, rows, constant, graph, constants, consumers, producers, outputs) for node in readers
-    )
+    ):
+        return False
+    _deep_biases_apart(graph, rows, constant, consumers, outputs)
+    return True
+
+
+def _deep_biases_apart(graph, rows, constant, consumers, outputs):
+    """The bias `Add` after a product of rows that sums more than `GEMM_EXACT_DEPTH` terms becomes
+    `Sum` (module docstring, 2), so that ONNX Runtime does not fuse the two into a `Gemm`."""
+    for node in graph.node:
+        weight = constant(node.input[1]) if node.op_type == "MatMul" and node.input[0] in rows else None
+        if weight is None or weight.shape[0] <= GEMM_EXACT_DEPTH or node.output[0] in outputs:
+            continue
+        readers = consumers.get(node.output[0], [])
+        if len(readers) == 1 and readers[0].op_type == "Add":
+            readers[0].op_type = "Sum"
 
 
 def _int8_lookup_reader(reader, graph, consumers, producers, constant, sources):

@@ -64,6 +64,35 @@ def test_leaner_step_gives_bitwise_the_same_outputs_with_fewer_nodes(converted_s
     assert leaner_step(after) == (after, {})
 
 
+def test_a_deep_product_keeps_its_bias_apart_and_the_step_its_matrices(converted_steps, monkeypatch):
+    """The tiny step widened to d_ff 512 (the recipe's): its feed-forward output sums 512 terms,
+    where ONNX Runtime's `Gemm` would add the bias in other bits, so that bias `Add` becomes
+    `Sum` (one per layer) and every rewrite is kept, `rows_as_matrices` included, with bitwise
+    the outputs of the converted wide step."""
+    wide = copy.deepcopy(converted_steps["portable"])
+    rng = np.random.default_rng(5)
+    for init in wide.graph.initializer:
+        array = numpy_helper.to_array(init)
+        more = (0.1 * rng.standard_normal(array.shape)).astype(array.dtype)
+        if "inner_dense" in init.name:  # (d_model, 256) kernel and (256,) bias: twice the columns
+            array = np.concatenate([array, more], axis=-1)
+        elif "output_dense" in init.name and array.ndim == 2:  # (256, d_model): twice the rows
+            array = np.concatenate([array, more])
+        init.CopyFrom(numpy_helper.from_array(array, init.name))
+    del wide.graph.value_info[:]
+    after, applied = leaner_step(wide)
+    assert applied["rows_as_matrices"] == 1, applied
+    sums = [node for node in after.graph.node if node.op_type == "Sum"]
+    assert len(sums) == 2 and all("output_dense" in node.name for node in sums), [n.name for n in sums]
+    for sentences, beam, cache_length in ((1, 4, 3), (2, 3, 8)):
+        feeds = step_rewrites.random_feeds(wide.graph, rng, sentences, beam, cache_length, source_length=4)
+        for a, b in zip(_outputs(wide, feeds), _outputs(after, feeds)):
+            np.testing.assert_array_equal(a, b)
+    # With that bias fused into a `Gemm`, the step differs in bits and keeps its 3-D tensors.
+    monkeypatch.setattr(step_rewrites, "GEMM_EXACT_DEPTH", 512)
+    assert "rows_as_matrices" not in leaner_step(wide)[1]
+
+
 def test_a_rewrite_that_changes_a_bit_is_not_kept(converted_steps, monkeypatch):
     """`verified` compares bit for bit; `leaner_step` falls back to the rewrites without
     `rows_as_matrices`, then to the step as converted."""
