@@ -2,12 +2,14 @@
 
 `check_parity` translates the same sentences with the Keras model
 (`keras_transformer.Translator`), the reloaded SavedModel's
-`serving_default`, and ONNX Runtime (`translate.onnx`, the
+`serving_default` (and its `translate_xla`, compiled by XLA, where `export --xla` wrote one),
+and ONNX Runtime (`translate.onnx`, the
 `encoder.onnx` + `decoder_step.onnx` pair, `translate_lean.onnx`, and `translate_text.onnx` in a
 separate process without TensorFlow: see `keras_transformer_export.onnx_runtime.make_session`),
 and compares `forward.onnx`'s logits with Keras's.
 """
 
+import functools
 import json
 import os
 import subprocess
@@ -43,9 +45,11 @@ def check_parity(
     reference, _ = translator.translate(sentences)
     outputs = {}
     if saved_model_dir is not None:
-        signature = tf.saved_model.load(saved_model_dir).signatures["serving_default"]
-        texts = signature(text=tf.constant(sentences, tf.string))["translation"].numpy()
-        outputs["saved_model"] = [t.decode("utf-8") for t in texts]
+        signatures = _saved_model(saved_model_dir).signatures
+        for name, key in (("saved_model", "serving_default"), ("saved_model_xla", "translate_xla")):
+            if key in signatures:
+                texts = signatures[key](text=tf.constant(sentences, tf.string))["translation"].numpy()
+                outputs[name] = [t.decode("utf-8") for t in texts]
     report = {"sentences": len(sentences), "runtimes": {}}
     if onnx_dir is not None:
         for mode in ("full", "split", "lean"):
@@ -65,6 +69,13 @@ def check_parity(
     if keep_translations:
         report["translations"] = {"keras": list(reference), **outputs}
     return report
+
+
+@functools.lru_cache(maxsize=1)
+def _saved_model(version_dir):
+    """The SavedModel loaded once for all of a caller's chunks (`translate_xla` compiles a program
+    per shape bucket on its first call of each: once per load)."""
+    return tf.saved_model.load(version_dir)
 
 
 def translate_in_subprocess(onnx_dir, sentences, mode):

@@ -2,7 +2,8 @@
 
 `keras_transformer_export.parity.check_parity` (what `make demo` runs on 100 sentences) on the
 sentences of a Multi30k split: Keras's `Translator` is the reference, then the SavedModel's
-`serving_default` (`--saved-model VERSION_DIR`) and ONNX Runtime's every search over
+`serving_default` (`--saved-model VERSION_DIR`; its `translate_xla` too where `export --xla`
+wrote one) and ONNX Runtime's every search over
 `--onnx DIR` (`translate.onnx`, `encoder.onnx` + `decoder_step.onnx`, `translate_lean.onnx`, and
 `translate_text.onnx` in a process without TensorFlow), and `forward.onnx`'s largest logit
 difference, `--chunk` sentences at a time (the SavedModel takes each chunk in one call); and
