@@ -9,7 +9,6 @@ separate process without TensorFlow: see `keras_transformer_export.onnx_runtime.
 and compares `forward.onnx`'s logits with Keras's.
 """
 
-import functools
 import json
 import os
 import subprocess
@@ -36,7 +35,9 @@ def check_parity(
     "max_logit_difference"}`; with `keep_translations`, also `"translations": {name: texts}`
     (Keras's as `keras`).
 
-    `identical` counts the translations equal to Keras's (the reference).
+    `identical` counts the translations equal to Keras's (the reference). `saved_model_dir`: a
+    SavedModel version directory, or the SavedModel already loaded (`tf.saved_model.load`), so
+    that a caller checking in chunks loads it, and compiles `translate_xla`'s programs, once.
     """
     from keras_transformer.decoding.translator import Translator
 
@@ -45,7 +46,10 @@ def check_parity(
     reference, _ = translator.translate(sentences)
     outputs = {}
     if saved_model_dir is not None:
-        signatures = _saved_model(saved_model_dir).signatures
+        loaded = saved_model_dir  # or a SavedModel already loaded, for callers that check in chunks
+        if isinstance(saved_model_dir, (str, os.PathLike)):
+            loaded = tf.saved_model.load(os.fspath(saved_model_dir))
+        signatures = loaded.signatures
         for name, key in (("saved_model", "serving_default"), ("saved_model_xla", "translate_xla")):
             if key in signatures:
                 texts = signatures[key](text=tf.constant(sentences, tf.string))["translation"].numpy()
@@ -69,13 +73,6 @@ def check_parity(
     if keep_translations:
         report["translations"] = {"keras": list(reference), **outputs}
     return report
-
-
-@functools.lru_cache(maxsize=1)
-def _saved_model(version_dir):
-    """The SavedModel loaded once for all of a caller's chunks (`translate_xla` compiles a program
-    per shape bucket on its first call of each: once per load)."""
-    return tf.saved_model.load(version_dir)
 
 
 def translate_in_subprocess(onnx_dir, sentences, mode):
