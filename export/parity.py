@@ -25,7 +25,7 @@ def check_parity(
     model,
     tokenizer,
     sentences,
-    saved_model_dir=None,
+    saved_model=None,
     onnx_dir=None,
     beam_size=policy.BEAM_SIZE,
     length_penalty=policy.LENGTH_PENALTY,
@@ -35,7 +35,7 @@ def check_parity(
     "max_logit_difference"}`; with `keep_translations`, also `"translations": {name: texts}`
     (Keras's as `keras`).
 
-    `identical` counts the translations equal to Keras's (the reference). `saved_model_dir`: a
+    `identical` counts the translations equal to Keras's (the reference). `saved_model`: a
     SavedModel version directory, or the SavedModel already loaded (`tf.saved_model.load`), so
     that a caller checking in chunks loads it, and compiles `translate_xla`'s programs, once.
     """
@@ -45,11 +45,10 @@ def check_parity(
     translator = Translator(model, tokenizer, beam_size=beam_size, length_penalty=length_penalty)
     reference, _ = translator.translate(sentences)
     outputs = {}
-    if saved_model_dir is not None:
-        loaded = saved_model_dir  # or a SavedModel already loaded, for callers that check in chunks
-        if isinstance(saved_model_dir, (str, os.PathLike)):
-            loaded = tf.saved_model.load(os.fspath(saved_model_dir))
-        signatures = loaded.signatures
+    if saved_model is not None:
+        if isinstance(saved_model, (str, os.PathLike)):
+            saved_model = tf.saved_model.load(os.fspath(saved_model))
+        signatures = saved_model.signatures
         for name, key in (("saved_model", "serving_default"), ("saved_model_xla", "translate_xla")):
             if key in signatures:
                 texts = signatures[key](text=tf.constant(sentences, tf.string))["translation"].numpy()

@@ -61,14 +61,13 @@ def main():
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    sentences = harness.sentences(args)
-    if args.worker:
-        print(json.dumps(worker(args.version_dir, sentences, args.single, args.limit)))
+    if args.worker:  # the sentences are read here, in each setting's own process
+        print(json.dumps(worker(args.version_dir, harness.sentences(args), args.single, args.limit)))
         return
     passes = {name: [] for name in SETTINGS}
     for _ in range(args.rounds):
         for name, value in SETTINGS.items():
-            command = [sys.executable, __file__, args.version_dir, "--worker", "--json", os.devnull]
+            command = [sys.executable, __file__, args.version_dir, "--worker"]
             command += ["--split", args.split, "--source-lang", args.source_lang]
             command += ["--single", str(args.single), "--limit", str(args.limit)]
             if args.data_dir:

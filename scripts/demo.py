@@ -180,7 +180,7 @@ def _check_parity(run_dir, sentences):
         load_model(os.path.join(run_dir, "model.keras")),
         RunDirectory(run_dir).tokenizer(),
         sentences,
-        saved_model_dir=os.path.join(run_dir, "exports", "demo", "1"),
+        saved_model=os.path.join(run_dir, "exports", "demo", "1"),
         onnx_dir=os.path.join(run_dir, "onnx"),
     )
     for name, result in report["runtimes"].items():
