@@ -177,6 +177,24 @@ def test_the_top_of_the_hash_range_is_below_one_and_samples_by_probability():
     assert tokens.tolist() == ops.convert_to_numpy(keras_tokens).tolist() == [0] * 32
 
 
+def test_seeds_that_differ_above_bit_31_sample_differently():
+    """A seed is hashed in 31-bit parts: seeds equal modulo 2^31 once gave the same samples, and
+    a seed near 2^63 overflowed an int64 sum (ONNX Runtime's graph then sampled otherwise than
+    Keras). A seed below 2^31 keeps its keys."""
+    seeds = [5, 2**31 + 5, 2**32 + 5, 2**62 + 5, 2**63 - 1]
+    keys = np.stack([sampling.row_keys(seed, np.arange(4), 0, 2, np) for seed in seeds])
+    assert len({tuple(row) for row in keys.tolist()}) == len(seeds)
+    keras_keys = [
+        ops.convert_to_numpy(sampling.row_keys(ops.convert_to_tensor(seed, "int64"), np.arange(4), 0, 2, ops))
+        for seed in seeds
+    ]
+    np.testing.assert_array_equal(np.stack(keras_keys), keys)
+    one_part = sampling._mix((5 + 0x2545F491) % 2**31)  # the seed's hash before the parts
+    for part in (np.arange(4), 0, 2):
+        one_part = sampling._mix((one_part + np.asarray(part, np.int64)) % 2**31)
+    np.testing.assert_array_equal(keys[0], one_part)
+
+
 @pytest.mark.parametrize(
     "topk, topp, temperature, support",
     [(0, 1.0, 1.0, 5), (2, 1.0, 1.0, 2), (0, 0.8, 1.0, 3), (0, 1.0, 0.5, 5), (3, 0.6, 2.0, 2)],
@@ -300,3 +318,11 @@ def test_options_are_checked_with_one_line_naming_the_option():
     with pytest.raises(ValueError, match="^length_penalty must be a number; got 'x'"):
         DecodingOptions(length_penalty="x").check()
     assert DecodingOptions(num_return=9, sampling_topk=0).check(4).sampling
+    # An integer its graph dtype cannot hold (int64 seed, int32 others): one line, not an overflow.
+    assert DecodingOptions(seed=2**63 - 1, max_extra_length=2**31 - 1).check()
+    with pytest.raises(
+        ValueError, match="^seed must be at most 9223372036854775807; got 9223372036854775808.$"
+    ):
+        DecodingOptions(seed=2**63).check()
+    with pytest.raises(ValueError, match="^max_extra_length must be at most 2147483647; got 2147483648.$"):
+        DecodingOptions(max_extra_length=2**31).check()

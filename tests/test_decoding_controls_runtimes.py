@@ -36,7 +36,7 @@ CASES = {
     "suppress": dict(suppress_sequences="from the default translations", disable_unk=True),
     "no_repeat_ngram": dict(no_repeat_ngram_size=2, num_return=2),
     "repetition_penalty": dict(repetition_penalty=1.6),
-    "sampling": dict(sampling_topk=0, num_return=3, seed=7),
+    "sampling": dict(sampling_topk=0, num_return=3, seed=2**33 + 7),  # a seed past 31 bits
     "sampling_topk_topp": dict(sampling_topk=5, sampling_topp=0.8, sampling_temperature=0.7, seed=3),
     "alignments": dict(return_alignments=True, num_return=2),
 }

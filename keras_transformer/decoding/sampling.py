@@ -49,8 +49,16 @@ def _mix(value):
 
 
 def row_keys(seed, sentence_ids, sample_ids, step, xp):
-    """int64 `(rows,)`: the hash of (seed, sentence index in the request, sample index, step)."""
-    key = _mix((_as_int64(seed, xp) + 0x2545F491) % _MODULUS)
+    """int64 `(rows,)`: the hash of (seed, sentence index in the request, sample index, step).
+
+    The seed (0 to 2^63 - 1) is hashed in 31-bit parts, low first: a seed below 2^31 has only
+    the first (its keys as before the other parts existed), and seeds that differ above bit 31
+    differ (they once shared their low part's samples), with no sum past int64 in any runtime."""
+    seed = _as_int64(seed, xp)
+    middle, top = (seed // _MODULUS) % _MODULUS, seed // (_MODULUS * _MODULUS)
+    key = _mix((seed % _MODULUS + 0x2545F491) % _MODULUS)
+    wide = _mix((_mix((key + middle) % _MODULUS) + top) % _MODULUS)
+    key = xp.where(xp.greater(seed, _MODULUS - 1), wide, key)
     for part in (sentence_ids, sample_ids, step):
         key = _mix((key + _as_int64(part, xp)) % _MODULUS)
     return key
