@@ -180,7 +180,8 @@ def test_the_top_of_the_hash_range_is_below_one_and_samples_by_probability():
 def test_seeds_that_differ_above_bit_31_sample_differently():
     """A seed is hashed in 31-bit parts: seeds equal modulo 2^31 once gave the same samples, and
     a seed near 2^63 overflowed an int64 sum (ONNX Runtime's graph then sampled otherwise than
-    Keras). A seed below 2^31 keeps its keys."""
+    Keras). A seed below 2^31 keeps its keys. Also converted by tf2onnx, whose int64 `Greater`
+    compares in float32 (2^31 + 5 and 2^31 - 1 are equal there): ONNX Runtime's keys equal."""
     seeds = [5, 2**31 + 5, 2**32 + 5, 2**62 + 5, 2**63 - 1]
     keys = np.stack([sampling.row_keys(seed, np.arange(4), 0, 2, np) for seed in seeds])
     assert len({tuple(row) for row in keys.tolist()}) == len(seeds)
@@ -193,6 +194,20 @@ def test_seeds_that_differ_above_bit_31_sample_differently():
     for part in (np.arange(4), 0, 2):
         one_part = sampling._mix((one_part + np.asarray(part, np.int64)) % 2**31)
     np.testing.assert_array_equal(keys[0], one_part)
+    import onnxruntime
+    import tensorflow as tf
+    import tf2onnx
+
+    spec = [tf.TensorSpec([], tf.int64, name="seed")]
+
+    @tf.function(input_signature=spec)
+    def keras_row_keys(seed):
+        return sampling.row_keys(seed, tf.range(4, dtype=tf.int64), 0, 2, ops)
+
+    converted, _ = tf2onnx.convert.from_function(keras_row_keys, input_signature=spec, opset=17)
+    session = onnxruntime.InferenceSession(converted.SerializeToString(), providers=["CPUExecutionProvider"])
+    onnx_keys = [session.run(None, {"seed": np.array(seed, np.int64)})[0] for seed in seeds]
+    np.testing.assert_array_equal(np.stack(onnx_keys), keys)
 
 
 @pytest.mark.parametrize(

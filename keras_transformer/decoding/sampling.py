@@ -58,7 +58,9 @@ def row_keys(seed, sentence_ids, sample_ids, step, xp):
     middle, top = (seed // _MODULUS) % _MODULUS, seed // (_MODULUS * _MODULUS)
     key = _mix((seed % _MODULUS + 0x2545F491) % _MODULUS)
     wide = _mix((_mix((key + middle) % _MODULUS) + top) % _MODULUS)
-    key = xp.where(xp.greater(seed, _MODULUS - 1), wide, key)
+    # (Not `seed > 2^31 - 1`: tf2onnx's `Greater` on int64 compares in float32, where 2^31 + 5
+    # and 2^31 - 1 are equal.)
+    key = xp.where(xp.greater(middle + top, 0), wide, key)
     for part in (sentence_ids, sample_ids, step):
         key = _mix((key + _as_int64(part, xp)) % _MODULUS)
     return key
