@@ -442,7 +442,10 @@ class FullGraphSearch:
 # The file stem of the hand-built plain beam search (`keras_transformer_export.lean_search`), and
 # its option inputs (defaults: the export's options) with their dtypes.
 LEAN_GRAPH = "translate_lean"
-LEAN_OPTIONS = {"length_penalty": np.float32, "max_extra_length": np.int32, "min_length": np.int32}
+LEAN_OPTIONS = {
+    name: np.dtype(rules.OPTION_DTYPES[name]).type
+    for name in ("length_penalty", "max_extra_length", "min_length")
+}
 CONTROLS_OFF = DecodingOptions()  # every option at its default: each control off
 
 
@@ -518,12 +521,7 @@ def request_feed(
     if options is not None:
         for name, value in dataclasses.asdict(options).items():
             if value != getattr(defaults, name):
-                dtype = (
-                    np.int64
-                    if name == "seed"
-                    else {bool: np.bool_, int: np.int32, float: np.float32}[type(value)]
-                )
-                feed[name] = np.array(value, dtype)
+                feed[name] = np.array(value, rules.OPTION_DTYPES[name])
     pad = 0
     if target_prefix is not None:
         feed["target_prefix"] = _token_array(target_prefix, pad)

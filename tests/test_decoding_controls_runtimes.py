@@ -282,6 +282,20 @@ def test_a_request_traces_the_search_it_needs_once(parts, sentences):
     assert traces(compiled) == 1 and first[0] == first[1] == translator.translate(sentences[:2])[0]
 
 
+def test_an_option_given_as_another_python_number_is_fed_as_its_graph_dtype(exported, translator):
+    """`length_penalty=1` (an int for a float option) and a 34-bit seed reach every graph in the
+    option's own dtype (`controls.OPTION_DTYPES`): ONNX Runtime once got int32 for the float."""
+    from keras_transformer_export.onnx_runtime import OnnxTranslator
+
+    sentences = ["the dog sees the cat"]
+    for mode in ("full", "lean"):
+        runtime = OnnxTranslator(str(exported[1]), mode)
+        for arguments in (dict(length_penalty=1), dict(length_penalty=1, sampling_topk=0, seed=2**33)):
+            found = runtime.translate_hypotheses(sentences, **arguments)
+            expected = translator.translate_hypotheses(sentences, **{**arguments, "length_penalty": 1.0})
+            assert [h.text for h in found[0]] == [h.text for h in expected[0]], (mode, arguments)
+
+
 BAD = [
     (dict(num_return=5), "num_return must be in [1, beam size 4]"),
     (dict(num_return=0), "num_return must be in [1, beam size 4]"),

@@ -87,8 +87,9 @@ class DecodingOptions:
             value = getattr(self, name)
             if isinstance(value, bool) != (kind is bool) or not isinstance(value, _KINDS[kind]):
                 raise ValueError(f"{name} must be {_KIND_NAMES[kind]}; got {value!r}.")
-            if kind is int and value > largest_option_value(name):
-                raise ValueError(f"{name} must be at most {largest_option_value(name)}; got {value!r}.")
+            largest = _LARGEST.get(OPTION_DTYPES[name])
+            if largest is not None and value > largest:  # beyond its graph dtype: one line, not an overflow
+                raise ValueError(f"{name} must be at most {largest}; got {value!r}.")
         for name, allowed in option_rules(beam_size):
             if not option_holds(self, name, beam_size, PYTHON_COMPARISONS):
                 raise ValueError(f"{name} must be {allowed}; got {getattr(self, name)!r}.")
@@ -161,13 +162,13 @@ def check_prefix_lengths(prefix_lengths, source_lengths, max_length, max_extra_l
 
 
 OPTION_TYPES = {field.name: field.type for field in dataclasses.fields(DecodingOptions)}
-
-
-def largest_option_value(name):
-    """The largest integer option `name` may be: what its graph dtype holds (the seed int64,
-    the others int32; `translator.OPTION_DTYPES`), so that a request fails in one line
-    instead of overflowing differently in each runtime."""
-    return 2**63 - 1 if name == "seed" else 2**31 - 1
+# The graph dtype of each option, in every runtime (the seed is int64: any 63-bit seed); a
+# request's value is converted to it, whatever Python type it came as (`1` for a float option).
+OPTION_DTYPES = {
+    name: "int64" if name == "seed" else {int: "int32", float: "float32", bool: "bool"}[kind]
+    for name, kind in OPTION_TYPES.items()
+}
+_LARGEST = {"int32": 2**31 - 1, "int64": 2**63 - 1}
 
 
 _KINDS = {int: numbers.Integral, float: numbers.Real, bool: bool}

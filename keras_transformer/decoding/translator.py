@@ -14,7 +14,7 @@ from typing import NamedTuple
 import numpy as np
 from keras import ops
 
-from keras_transformer.decoding import policy
+from keras_transformer.decoding import controls, policy
 from keras_transformer.decoding.alignments import word_alignment
 from keras_transformer.decoding.controls import (
     OPTION_TYPES,
@@ -69,11 +69,8 @@ class SentenceAttention(NamedTuple):
     target: str
 
 
-# The graph dtype of each `DecodingOptions` field (the seed is int64: any 63-bit seed).
-OPTION_DTYPES = {
-    name: tf.int64 if name == "seed" else {int: tf.int32, float: tf.float32, bool: tf.bool}[kind]
-    for name, kind in OPTION_TYPES.items()
-}
+# The graph dtype of each `DecodingOptions` field (`controls.OPTION_DTYPES`).
+OPTION_DTYPES = {name: tf.as_dtype(dtype) for name, dtype in controls.OPTION_DTYPES.items()}
 
 
 def option_specs():
