@@ -126,7 +126,11 @@ class TranslationGraphs:
         # The cache's decoder layers: an ensemble's members' one after another.
         self.num_layers = sum(len(member.decoder.stack_layers) for member in members(self.model))
         self.depth = self.config.d_model // self.config.num_heads
-        self.blank = np.array(policy.blank_ids(tokenizer.processor.id_to_piece, tokenizer.vocab_size), bool)
+        pieces = tokenizer.processor.id_to_piece
+        self.blank = np.array(policy.blank_ids(pieces, tokenizer.vocab_size), bool)
+        specials = [getattr(self.config, name) for name in policy.NEVER_OUTPUT]
+        never = policy.never_output_ids(pieces, tokenizer.vocab_size, specials, self.config.target_vocab)
+        self.never = np.array(never, bool)  # the ids no search outputs (a constant of every graph)
 
     # ------------------------------------------------------------- signatures
     def specs(self, name):
@@ -193,8 +197,9 @@ class TranslationGraphs:
         the best hypothesis under the export's options (a source without content: empty)."""
         source_ids = self.checked_source_ids(source_ids)
         found = decode(
-            self.model, source_ids, self.options, self.beam_size, blank=self.blank, cache_policy="growing"
-        )
+            self.model, source_ids, self.options, self.beam_size, blank=self.blank, cache_policy="growing",
+            never=self.never,
+        )  # fmt: skip
         return {"target_ids": found.ids[:, 0], "scores": found.scores[:, 0]}
 
     def translate_ids_with_options(
@@ -220,7 +225,7 @@ class TranslationGraphs:
         found = decode(
             self.model, plan["planned_source_ids"], _options(options), self.beam_size,
             plan["planned_target_prefix"], suppress_sequences, plan["planned_sentence_ids"], self.blank,
-            cache_policy="growing",
+            cache_policy="growing", never=self.never,
         )  # fmt: skip
         return {**_outputs(found), "alignments": found.alignments}
 
@@ -263,7 +268,7 @@ class TranslationGraphs:
         def translate(source_ids, target_prefix, suppress_sequences, sentence_ids, *options):
             found = decode(
                 self.model, source_ids, _options(options), self.beam_size, target_prefix, suppress_sequences,
-                sentence_ids, self.blank, cache_policy="growing", search=search,
+                sentence_ids, self.blank, cache_policy="growing", search=search, never=self.never,
             )  # fmt: skip
             return _outputs(found)
 

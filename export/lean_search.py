@@ -473,10 +473,11 @@ def _top_candidates(ops, log_probs, alive_log_probs, beam, caps, index, sentence
     return top_values, ops._arith("Add", ops._arith("Mul", which, np.int64(chunk)), offset)
 
 
-def lean_translate_graph(encoder, decoder_step, config, decoding, blank):
+def lean_translate_graph(encoder, decoder_step, config, decoding, blank, never):
     """`translate_lean.onnx` (module docstring) from the exported `encoder` and `decoder_step`
     ONNX models, the model's `config` and the export's `decoding` options (`export.json`'s), and
-    `blank` `(vocab,)` bool (`policy.blank_ids`)."""
+    `blank` `(vocab,)` bool (`policy.blank_ids`); `never` `(vocab,)` bool, the ids never output
+    (`policy.never_output_ids`)."""
     beam, vocab = decoding["beam_size"], config["target_vocab_size"] or config["vocab_size"]
     pad, bos, eos = config["pad_id"], config["bos_id"], config["eos_id"]
     layers = cache_layers(config)
@@ -568,7 +569,7 @@ def lean_translate_graph(encoder, decoder_step, config, decoding, blank):
     beam_rows = stage.unsqueeze(stage.arange(size, np.int64), [1])
     pool_rows = beam_rows * np.int64(2 * beam)
     ids = np.arange(vocab)
-    never = np.isin(ids, [config[name] for name in policy.NEVER_OUTPUT])
+    never = np.asarray(never, bool)
     chunk_caps = _ChunkCaps(policy.output_cap_rows(never, ids == eos, 2, np.float32), chunk_size(vocab))
     sentence_chunks = beam_rows * np.int64(beam * chunk_caps.chunks)
     beam_rows = beam_rows * np.int64(beam)
@@ -717,10 +718,13 @@ def write_lean_graph(export_dir):
     with open(os.path.join(export_dir, "export.json"), encoding="utf-8") as handle:
         metadata = json.load(handle)
     processor = sentencepiece.SentencePieceProcessor(model_file=os.path.join(export_dir, "tokenizer.model"))
-    blank = policy.blank_ids(processor.id_to_piece, processor.get_piece_size())
+    config = metadata["model"]
+    pieces, count = processor.id_to_piece, processor.get_piece_size()
+    specials = [config[name] for name in policy.NEVER_OUTPUT]
     model = lean_translate_graph(
         *(onnx.load(os.path.join(export_dir, f"{stem}.onnx")) for stem in ("encoder", "decoder_step")),
-        metadata["model"], metadata["decoding"], blank,
+        config, metadata["decoding"], policy.blank_ids(pieces, count),
+        policy.never_output_ids(pieces, count, specials, config["target_vocab_size"] or config["vocab_size"]),
     )  # fmt: skip
     path = os.path.join(export_dir, f"{LEAN_GRAPH}.onnx")
     onnx.save(model, path)

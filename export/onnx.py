@@ -125,7 +125,7 @@ def export_onnx(
         models[TEXT_GRAPH] = text_graph(graphs, models["translate"])
         models[LEAN_GRAPH] = lean_translate_graph(
             models["encoder"], models["decoder_step"], graphs.model_metadata(),
-            {"beam_size": graphs.beam_size, **dataclasses.asdict(graphs.options)}, graphs.blank,
+            {"beam_size": graphs.beam_size, **dataclasses.asdict(graphs.options)}, graphs.blank, graphs.never,
         )  # fmt: skip
         for stem, model in models.items():
             onnx.checker.check_model(model, full_check=True)

@@ -131,7 +131,11 @@ class SplitBeamSearch:
         processor = sentencepiece.SentencePieceProcessor(
             model_file=os.path.join(export_dir, "tokenizer.model")
         )
-        self.blank = np.array(policy.blank_ids(processor.id_to_piece, processor.get_piece_size()), bool)
+        pieces, count = processor.id_to_piece, processor.get_piece_size()
+        self.blank = np.array(policy.blank_ids(pieces, count), bool)
+        specials = [self.config[name] for name in policy.NEVER_OUTPUT]
+        vocab = self.config["target_vocab_size"] or self.config["vocab_size"]
+        self.never = np.array(policy.never_output_ids(pieces, count, specials, vocab), bool)
         self.output_names = [o.name for o in self.decoder.get_outputs()]
 
     def __call__(self, source_ids):
@@ -216,7 +220,7 @@ class _Search:
         vocab = config["target_vocab_size"] or config["vocab_size"]
         ids = np.arange(vocab)
         self.is_eos = ids == config["eos_id"]
-        self.never = np.isin(ids, [config[name] for name in policy.NEVER_OUTPUT])
+        self.never = owner.never
         sequence_lengths = np.sum(sequences != config["pad_id"], axis=1)
         suppressed = rules.single_token_bans(sequences, sequence_lengths, vocab, np)
         if options.disable_unk:

@@ -97,7 +97,10 @@ def translate_xla_function(graphs, buckets=XlaBuckets()):
     buckets = buckets.for_model(config.max_length)
 
     def search(source_ids):  # (B, L) -> best ids (B, max_len), scores (B,)
-        found = decode(graphs.model, source_ids, graphs.options, graphs.beam_size, cache_policy="fixed")
+        found = decode(
+            graphs.model, source_ids, graphs.options, graphs.beam_size, cache_policy="fixed",
+            never=graphs.never,
+        )  # fmt: skip
         return found.ids[:, 0], found.scores[:, 0]
 
     # One function per batch size, traced with that size: the fixed-cache search then knows how

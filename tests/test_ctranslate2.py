@@ -162,6 +162,34 @@ def test_translations_match_keras(beam_size, exports, run_parts, sentences):
     assert same.mean() >= 0.9, f"{same.sum()}/{len(same)} identical; {before_limit.sum()} before the limit"
 
 
+def test_a_hypothesis_holding_a_control_piece_is_searched_again_without_them(exports, sentences):
+    """The pieces of control characters are never output (`policy.never_output_ids`); the beam
+    search runs without them banned (CTranslate2's bans renormalize) and the sentences whose
+    hypotheses hold one are searched again with them banned. This model never picks one in a
+    beam search, so an ordinary piece found in about half the hypotheses stands in for them here."""
+    plain = CTranslate2Translator(exports["float32"], intra_threads=1)
+    texts = sentences[:12]
+    before = plain.translate_hypotheses(texts, num_return=2)
+    pieces = [plain.processor.encode(h.text, out_type=str) for s in before for h in s]
+    holding = {p: sum(p in line for line in pieces) for line in pieces for p in line}
+    frequent = min(holding, key=lambda p: abs(holding[p] - len(pieces) / 2))  # in about half
+    assert 0 < holding[frequent] < len(pieces)
+    standing_in = CTranslate2Translator(exports["float32"], intra_threads=1)
+    standing_in.controls, standing_in.control_pieces = [[frequent]], {frequent}
+    after = standing_in.translate_hypotheses(texts, num_return=2)
+    always = CTranslate2Translator(exports["float32"], intra_threads=1)  # bans it in every search
+    always.never, always.controls, always.control_pieces = plain.never + [[frequent]], [], set()
+    banned = always.translate_hypotheses(texts, num_return=2)
+
+    def held(hypotheses):
+        return any(frequent in plain.processor.encode(h.text, out_type=str) for h in hypotheses)
+
+    for old, new, ban in zip(before, after, banned):
+        assert not held(new)
+        # a sentence without it is not searched again; one with it is, as a search banning it
+        assert [h.text for h in new] == [h.text for h in (ban if held(old) else old)]
+
+
 def test_command_line_translation_and_int8(exports, sentences, run_parts):
     env = {**os.environ, "PYTHONPATH": ROOT, "TF_CPP_MIN_LOG_LEVEL": "3"}
     completed = subprocess.run(

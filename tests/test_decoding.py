@@ -199,7 +199,8 @@ def test_candidates_from_logits_are_the_candidates_top_k(vocab):
     ids = np.arange(vocab)
     setup = SimpleNamespace(
         config=SimpleNamespace(target_vocab=vocab, pad_id=pad, bos_id=bos, eos_id=eos),
-        never=tf.constant((ids == pad) | (ids == bos)), is_eos=tf.constant(ids == eos), min_length=0,
+        never=tf.constant((ids == pad) | (ids == bos)), never_ids=[pad, bos], is_eos=tf.constant(ids == eos),
+        min_length=0,
     )  # fmt: skip
     for step, min_length in ((5, 0), (1, 4)):  # the last step of sentence 4; EOS banned (step < 3)
         setup.min_length = min_length

@@ -39,6 +39,11 @@ CASES = {
     "sampling": dict(sampling_topk=0, num_return=3, seed=2**33 + 7),  # a seed past 31 bits
     "sampling_topk_topp": dict(sampling_topk=5, sampling_topp=0.8, sampling_temperature=0.7, seed=3),
     "alignments": dict(return_alignments=True, num_return=2),
+    # near-uniform samples: byte pieces, some of control characters (never output) and some
+    # not (invalid UTF-8 for the detokenizers to agree on)
+    "sampling_hot": dict(
+        sampling_topk=0, sampling_temperature=30.0, num_return=2, seed=11, max_extra_length=12
+    ),
 }
 
 
@@ -151,6 +156,7 @@ def _eager(parts, sentences, arguments):
         target_prefix=None if prefix is None else tokens([p or "" for p in prefix]),
         suppress_sequences=tokens(sequences) if sequences else None,
         blank=np.array(policy.blank_ids(tokenizer.processor.id_to_piece, tokenizer.vocab_size)),
+        never=_never(model, tokenizer),
     )
     rows = []
     for i, sentence in enumerate(sentences):
@@ -169,6 +175,11 @@ def _eager(parts, sentences, arguments):
         )
         rows.append([[h.text, h.score, h.alignment and [list(p) for p in h.alignment]] for h in kept])
     return rows
+
+
+def _never(model, tokenizer):
+    specials = [getattr(model.config, name) for name in policy.NEVER_OUTPUT]
+    return np.array(policy.never_output_ids(tokenizer.processor.id_to_piece, tokenizer.vocab_size, specials))
 
 
 def _saved_model(session, sentences, arguments):
@@ -243,6 +254,34 @@ def test_the_controls_do_what_they_say(results, requests):
     assert len(sentences) == len(keras["alignments"])
     for s in keras["alignments"][:SENTENCE_COUNT]:
         assert all(h[2] and all(0 <= j < len(h[0].split()) for _, j in h[2]) for h in s)
+
+
+def test_no_runtime_outputs_a_control_character(results, requests, parts):
+    """The pieces of control characters are never output (`policy.never_output_ids`): before,
+    `sampling_hot`'s translations held newlines (one sentence split across two output lines)
+    and NULs (where `translate_text.onnx` cut the translation short). The model alone, without
+    the rule, samples such pieces for this request: the case tests something."""
+    import unicodedata
+
+    from keras_transformer.decoding.search import sample
+
+    for runtime, cases in results.items():
+        for case, found in cases.items():
+            texts = [h[0] for s in found for h in s]
+            assert not [t for t in texts if any(unicodedata.category(c) in ("Cc", "Zl", "Zp") for c in t)], (
+                runtime, case,
+            )  # fmt: skip
+    model, tokenizer = parts
+    sentences, arguments = requests["sampling_hot"]
+    ids = tokenizer.encode(tf.constant(sentences[:SENTENCE_COUNT]), max_length=64, pad_to_max_length=False)
+    options = {k: v for k, v in arguments.items() if k != "num_return"}
+    kwargs = dict(sampling_topk=0, sampling_temperature=options["sampling_temperature"], seed=options["seed"])
+    kwargs.update(num_return=2, max_extra_length=options["max_extra_length"])
+    never = _never(model, tokenizer)
+    unruled = np.asarray(sample(model, ids, **kwargs).ids)
+    assert np.any(never[unruled] & (unruled > 3)), "the model alone samples no control piece here"
+    ruled = np.asarray(sample(model, ids, never=never, **kwargs).ids)
+    assert not np.any(never[ruled] & (ruled > 3))  # 0: the padding after EOS
 
 
 def test_sampling_does_not_depend_on_batching_and_changes_with_the_seed(translator, requests, monkeypatch):

@@ -96,3 +96,19 @@ def test_the_tokenizer_and_the_policy_agree_on_unk():
     from keras_transformer.data.tokenizer import UNK_ID
 
     assert policy.UNK_ID == UNK_ID
+
+
+def test_the_pieces_of_control_characters_are_never_output():
+    """A translation holds no control character (a newline would split it across two lines of
+    an output file; a NUL ends it in `translate_text.onnx`'s C-string detokenizer): the byte
+    pieces of ASCII control bytes and pieces holding a Cc character are never output, with the
+    special ids of `NEVER_OUTPUT` (and pieces of the Unicode line separators); the other byte
+    pieces, <unk>, EOS and ordinary pieces are."""
+    pieces = ["<pad>", "<unk>", "<s>", "</s>", "<0x00>", "<0x0A>", "<0x09>", "<0x1F>", "<0x20>", "<0x7F>"]
+    pieces += ["<0x80>", "<0xC3>", "▁Hund", "a\tb", "x\x85", "▁", "<0x0a>x", "\u2028"]
+    never = policy.never_output_ids(pieces.__getitem__, len(pieces), [0, 2], vocab_size=len(pieces) + 2)
+    assert len(never) == len(pieces) + 2
+    assert [pieces[i] for i in range(len(pieces)) if never[i]] == [
+        "<pad>", "<s>", "<0x00>", "<0x0A>", "<0x09>", "<0x1F>", "<0x7F>", "a\tb", "x\x85", "\u2028"
+    ]  # fmt: skip
+    assert never[-2:] == [False, False]  # ids past the tokenizer's pieces: none of its pieces

@@ -65,10 +65,40 @@ UNK_ID = 1
 NEVER_OUTPUT = ("pad_id", "bos_id")
 
 
+def control_piece(piece):
+    """Whether a SentencePiece piece writes a control character: a byte-fallback piece `<0x..>`
+    of an ASCII control byte (0x00-0x1F, 0x7F), or a piece holding a control character or a
+    line or paragraph separator (Unicode categories Cc, Zl, Zp: a vocabulary trained without
+    normalization may keep tabs, newlines or U+2028).
+
+    No translation outputs one (`never_output_ids`): a newline or carriage return in a
+    translation splits it across two lines of an output file, so every later line is
+    misaligned with its source; a NUL ends it early where the text passes through a C string
+    (onnxruntime-extensions' detokenizer in `translate_text.onnx`); a tab breaks a TSV column."""
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        byte = int(piece[3:5], 16)
+        return byte < 0x20 or byte == 0x7F
+    return any(unicodedata.category(character) in ("Cc", "Zl", "Zp") for character in piece)
+
+
+def never_output_ids(id_to_piece, piece_count, special_ids, vocab_size=None):
+    """`(vocab_size,)` list of bools: the ids no search outputs, in every runtime: `special_ids`
+    (the model's ids of `NEVER_OUTPUT`) and the pieces of control characters (`control_piece`),
+    given a SentencePiece model's `id_to_piece` and size `piece_count` (any runtime's;
+    `vocab_size`, the model's output vocabulary, defaults to it: ids past the pieces are not
+    control pieces). The special pieces of the vocabulary (`<pad>`, `<unk>`, `<s>`, `</s>`) are
+    not control pieces: `<unk>` and EOS stay allowed."""
+    specials = set(special_ids)
+    vocab_size = piece_count if vocab_size is None else vocab_size
+    return [i in specials or (i < piece_count and control_piece(id_to_piece(i))) for i in range(vocab_size)]
+
+
 def constrain(log_probs, step, limits, never, is_eos, min_length, xp):
     """One step's log-probabilities with the output rules applied: impossible ids get `NEG_INF`.
 
-    - the ids in `never` (`NEVER_OUTPUT`, plus a request's banned single tokens) are impossible;
+    - the ids in `never` (`never_output_ids`: `NEVER_OUTPUT` and the pieces of control
+      characters, or `NEVER_OUTPUT` alone where no tokenizer is known; plus a request's
+      banned single tokens) are impossible;
     - EOS is impossible before `min_length` output tokens (EOS included), and
     - at a sentence's last allowed step EOS is the only possibility (this wins over `min_length`).
 

@@ -59,6 +59,7 @@ def decode(
     blank=None,
     cache_policy="auto",
     search=None,
+    never=None,
 ):
     """Decodes `source_ids` int `(batch, len_src)` under `options` (module docstring).
 
@@ -77,6 +78,9 @@ def decode(
             (`"beam"`: the plain beam search, `"beam_with_controls"`, `"sample"`) and
             without alignments: the ONNX export converts each alone and chooses between
             them itself (`keras_transformer_export.onnx`).
+        never: bool `(vocab,)`, `policy.never_output_ids` of the tokenizer: the ids no
+            hypothesis holds (the special ids and the pieces of control characters). None:
+            the model's `NEVER_OUTPUT` ids alone.
 
     Returns:
         `Hypotheses`.
@@ -98,6 +102,7 @@ def decode(
             sentence_ids,
             cache_policy,
             search,
+            never,
         )
 
     # Empty sources are not searched: the others are, and their results are written back.
@@ -121,6 +126,7 @@ def decode(
         gather_rows(sentence_ids, keep),
         cache_policy,
         search,
+        never,
     )
     return Hypotheses(
         *(
@@ -154,8 +160,9 @@ def _empty_hypotheses(config, batch, options, max_len):
 
 
 def _decode(
-    model, source_ids, options, beam_size, prefix, suppress_sequences, sentence_ids, cache_policy, search
-):
+    model, source_ids, options, beam_size, prefix, suppress_sequences, sentence_ids, cache_policy, search,
+    never,
+):  # fmt: skip
     """`decode` of sources that all have content."""
     o = options
     banned, controls = split_controls(
@@ -186,13 +193,14 @@ def _decode(
                 cache_policy,
                 banned,
                 controls,
+                never,
             )  # fmt: skip
         )
 
     def searched(controls, banned=banned):
         ids, scores, log_probs = beam_pools(
             model, source_ids, beam_size, o.length_penalty, o.max_extra_length, None, o.min_length, True,
-            cache_policy, banned, controls,
+            cache_policy, banned, controls, never,
         )  # fmt: skip
         n = o.num_return
         return Hypotheses(ids[:, :n], scores[:, :n], log_probs[:, :n])

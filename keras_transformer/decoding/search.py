@@ -239,6 +239,7 @@ def greedy_search(
     min_length=0,
     use_cache=True,
     cache_policy="auto",
+    never=None,
 ):
     """Picks the most probable token at every step.
 
@@ -253,11 +254,14 @@ def greedy_search(
             included), unless the length limit forces it.
         use_cache: incremental decoding with the key/value cache.
         cache_policy: `"auto"`, `"growing"` or `"fixed"` (module docstring).
+        never: bool `(vocab,)`, the ids never output (`policy.never_output_ids` of the
+            tokenizer: also the pieces of control characters); None: the model's
+            `NEVER_OUTPUT` ids alone.
 
     Returns:
         `Translations` with ids `(batch, max_len)` and scores `(batch,)`.
     """
-    setup = _Setup(model, source_ids, max_length, max_extra_length, min_length)
+    setup = _Setup(model, source_ids, max_length, max_extra_length, min_length, never=never)
     decoder = _make_decoder(model, setup, 1, use_cache, cache_policy)
     tokens, log_probs = _token_by_token(setup, decoder, _most_probable, Controls())
     return Translations(tokens, log_probs, log_probs)
@@ -320,6 +324,7 @@ def sample(
     max_length=None,
     use_cache=True,
     cache_policy="auto",
+    never=None,
     **controls,
 ):
     """`num_return` random samples per sentence (`keras_transformer.decoding.sampling`), one
@@ -331,6 +336,7 @@ def sample(
     `sentence_ids` `(batch,)` gives each row's index in the request (default its row),
     so a sentence gets the same samples in any batch. `sampling_topk` 0 samples
     from the whole vocabulary, K from the K likeliest tokens (1 is greedy search).
+    `never`: as `greedy_search`'s.
 
     Returns:
         `Translations` with ids `(batch, num_return, max_len)`, scores `(batch,
@@ -343,18 +349,18 @@ def sample(
     return sample_rows(
         model, source_ids, num_return, sampling_topk, sampling_topp, sampling_temperature, seed,
         sentence_ids, length_penalty, max_extra_length, min_length, max_length, use_cache, cache_policy,
-        banned, controls,
+        banned, controls, never,
     )  # fmt: skip
 
 
 def sample_rows(
     model, source_ids, num_return, topk, topp, temperature, seed, sentence_ids, alpha, max_extra_length,
-    min_length, max_length, use_cache, cache_policy, banned, controls,
+    min_length, max_length, use_cache, cache_policy, banned, controls, never=None,
 ):  # fmt: skip
     """`sample` with its controls split (`split_controls`): `Translations` `(batch, num_return, ...)`."""
     disable_unk, banned = banned
     setup = _Setup(
-        model, source_ids, max_length, max_extra_length, min_length, disable_unk, banned, repeat=num_return
+        model, source_ids, max_length, max_extra_length, min_length, disable_unk, banned, num_return, never
     )
     decoder = _make_decoder(model, setup, 1, use_cache, cache_policy)
     batch = ops.shape(setup.source_ids)[0]
@@ -424,6 +430,7 @@ def beam_search(
     min_length=0,
     use_cache=True,
     cache_policy="auto",
+    never=None,
     **controls,
 ):
     """Beam search with the GNMT length penalty and a pool of finished hypotheses (§6.1).
@@ -449,6 +456,9 @@ def beam_search(
         use_cache: incremental decoding with the key/value cache.
         cache_policy: `"auto"`, `"growing"` (finished sentences also leave
             the batch) or `"fixed"` (module docstring).
+        never: bool `(vocab,)`, the ids never output (`policy.never_output_ids` of the
+            tokenizer: also the pieces of control characters); None: the model's
+            `NEVER_OUTPUT` ids alone.
         **controls: `disable_unk` (bool), `suppress_sequences` (token lists, or an
             int array `(count, width)` padded with `pad_id`), `target_prefix` (one token
             list per sentence, or `(batch, width)` padded), `no_repeat_ngram_size` (int),
@@ -469,7 +479,7 @@ def beam_search(
     banned, controls = split_controls(model.config, **controls)
     ids, scores, log_probs = beam_pools(
         model, source_ids, beam_size, length_penalty, max_extra_length, max_length, min_length,
-        use_cache, cache_policy, banned, controls,
+        use_cache, cache_policy, banned, controls, never,
     )  # fmt: skip
     if isinstance(num_return, int) and num_return == 1:
         return Translations(ids[:, 0], scores[:, 0], log_probs[:, 0])
@@ -478,12 +488,14 @@ def beam_search(
 
 def beam_pools(
     model, source_ids, beam_size, alpha, max_extra_length, max_length, min_length, use_cache, cache_policy,
-    banned, controls,
+    banned, controls, never=None,
 ):  # fmt: skip
     """`beam_search` with its controls split (`split_controls`): the whole pools, `(batch, beam,
     max_len)` ids and `(batch, beam)` scores and log-probabilities, best first."""
     disable_unk, banned = banned
-    setup = _Setup(model, source_ids, max_length, max_extra_length, min_length, disable_unk, banned)
+    setup = _Setup(
+        model, source_ids, max_length, max_extra_length, min_length, disable_unk, banned, never=never
+    )
     decoder = _make_decoder(model, setup, beam_size, use_cache, cache_policy)
     return _BeamSearch(model, setup, decoder, beam_size, alpha, controls).run()
 
@@ -502,6 +514,7 @@ class _Setup:
         disable_unk=False,
         banned_sequences=None,
         repeat=1,
+        never=None,
     ):
         for name, value in (("max_extra_length", max_extra_length), ("min_length", min_length)):
             if isinstance(value, (bool, float)) or (isinstance(value, int) and value < 0):
@@ -535,8 +548,17 @@ class _Setup:
             self.max_len = min(max_length, config.max_length)
         ids = ops.arange(config.target_vocab)
         self.is_eos = ops.equal(ids, config.eos_id)  # (vocab,)
-        never = [ops.equal(ids, getattr(config, name)) for name in NEVER_OUTPUT]  # policy.NEVER_OUTPUT
-        self.never = functools.reduce(ops.logical_or, never)
+        # The ids never output (policy.never_output_ids, or NEVER_OUTPUT alone without a
+        # tokenizer), as a constant: `never_ids` the ids themselves, for the blocks of
+        # `_top_candidates_of_logits`.
+        if never is None:
+            self.never_ids = sorted({getattr(config, name) for name in NEVER_OUTPUT})
+        else:
+            never = np.asarray(never, bool)
+            if never.shape != (config.target_vocab,):
+                raise ValueError(f"never must have shape ({config.target_vocab},); got {never.shape}.")
+            self.never_ids = np.flatnonzero(never).tolist()
+        self.never = ops.convert_to_tensor(np.isin(np.arange(config.target_vocab), self.never_ids))
         # The controls' bans at every step (CTranslate2's: before the softmax): <unk> and the
         # one-token banned sequences; None when the request has neither.
         suppressed = []
@@ -669,7 +691,7 @@ def _top_candidates_of_logits(setup, logits, alive_log_probs, step, limits, k, b
     exponentials) and one maximum per block of `block` ids. Every operation from a logit to
     its candidate's score is monotone (rounding included), so a block's best candidate is
     `alive + ((allowed maximum - row maximum) - log-sum)`, or `alive + NEG_INF` where the rules
-    allow none of its ids; the blocks of plain ids (neither `NEVER_OUTPUT` nor EOS) share one
+    allow none of its ids; the blocks of plain ids (neither never output nor EOS) share one
     cap per sentence (`policy.output_caps` of a plain id), so their allowed maximum is the
     block's maximum or none; the few blocks holding special ids are capped id by id. The `k`
     blocks with the best (ties: the lower index first) hold the `k` best candidates
@@ -700,8 +722,8 @@ def _top_candidates_of_logits(setup, logits, alive_log_probs, step, limits, k, b
     log_sum = ops.log(ops.sum(ops.exp(logits - row_max[:, :, None]), axis=-1))
     plain_cap = output_caps(step, limits, False, False, setup.min_length, 3, dtype, ops)  # (sentences, 1, 1)
     allowed_max = ops.where(ops.equal(plain_cap, 0.0), block_max, neg_inf)
-    # The blocks holding the ids `setup.never` and `setup.is_eos` mark (`_Setup`: NEVER_OUTPUT, EOS).
-    special = sorted({getattr(setup.config, name) // block for name in NEVER_OUTPUT + ("eos_id",)})
+    # The blocks holding the ids `setup.never` and `setup.is_eos` mark (`_Setup`: never_ids, EOS).
+    special = sorted({i // block for i in setup.never_ids + [setup.config.eos_id]})
     for part in special:  # (sentences, beam) each: the allowed maximum of a block of special ids
         first, end = part * block, min((part + 1) * block, vocab)
         allowed = ops.equal(caps(ops.arange(first, end, dtype="int32")[None, None]), 0.0)

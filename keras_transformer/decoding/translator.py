@@ -162,13 +162,17 @@ class Translator:
         self.beam_size = beam_size
         self.options = DecodingOptions().replace(**options).check(beam_size)
         self.max_source_length = model.config.max_length
-        blank = np.array(policy.blank_ids(tokenizer.processor.id_to_piece, tokenizer.vocab_size), bool)
+        pieces = tokenizer.processor.id_to_piece
+        blank = np.array(policy.blank_ids(pieces, tokenizer.vocab_size), bool)
+        specials = [getattr(model.config, name) for name in policy.NEVER_OUTPUT]
+        never = policy.never_output_ids(pieces, tokenizer.vocab_size, specials, model.config.target_vocab)
+        never = np.array(never, bool)
 
         def search(source_ids, target_prefix, suppress_sequences, sentence_ids, options):
             """(batch, len_src) -> Hypotheses (batch, num_return, max_len)."""
             return decode(
                 model, source_ids, options, beam_size, target_prefix, suppress_sequences, sentence_ids,
-                blank, cache_policy,
+                blank, cache_policy, never=never,
             )  # fmt: skip
 
         def with_literal_options(source_ids, target_prefix, suppress_sequences, sentence_ids, *values):
