@@ -71,7 +71,20 @@ kernel launch per node, and at batch 1 that, not the arithmetic, is the cost):
    which folds neither); per-step time unchanged within this machine's noise (batch 1 56.4 vs
    55.7 ms, batch 32 690 vs 689 ms, random weights): these kernels are ~1 µs each.
 
-`simplify(model)` applies all six and drops initializers nothing reads. On
+7. **Integers compared as floats** (`compare_integers`). tf2onnx converts TensorFlow's
+   `Greater` and `Less` of integers (int32 or int64) as `Cast(to float32)` of each operand, then
+   the float comparison (its opset-7 handler, used at every opset): **wrong wherever the two
+   integers differ by less than float32's spacing at their size** (above 2^24: 2^31 + 5 and
+   2^31 compare equal) — the sampling seed's first test compared `seed > 2^31 - 1` and was
+   false in `translate.onnx` for 2^31 + 5 (`keras_transformer.decoding.sampling.row_keys`).
+   Each such comparison whose operands are all casts from one integer type, or such casts and
+   float constants holding integers of that type (up to 2^24: tf2onnx folds a cast constant
+   into float32, so a larger one has already lost its value, and such a comparison is left as
+   converted), compares the integers themselves (ONNX `Greater`/`Less` take int32 and int64
+   since opset 9): TensorFlow's semantics, and the casts left unused are dropped (up to two
+   kernels fewer per comparison; the beam search's loop compares `step < limit` so).
+
+`simplify(model)` applies all seven and drops initializers nothing reads. On
 the `mini` recipe model: `Loop` body 1,555 → 1,258 nodes with rewrites 1 and
 2, 1,114 with 3, 914 with 4; loop state 119 → 24 values. The same tokens
 (scores within 2e-6: ONNX Runtime pre-packs constant matrix operands, sums in
@@ -830,6 +843,76 @@ def read_transposed_weights(model):
     return model
 
 
+def compare_integers(model):
+    """`model` (changed in place and returned) with each `Greater`/`Less` of integers cast to float
+    comparing the integers (module docstring, 7)."""
+    integer_types = {onnx.TensorProto.INT32: np.int32, onnx.TensorProto.INT64: np.int64}
+    types = tensor_types(model)
+    constants = _initializers(model)
+    producers = {
+        name: node for graph in all_graphs(model.graph) for node in graph.node for name in node.output
+    }
+    taken = set(constants) | set(producers)
+    for graph in all_graphs(model.graph):
+        for node in [n for n in graph.node if n.op_type in ("Greater", "Less")]:
+            casts = [producers.get(name) for name in node.input]
+            sources = {
+                types.get(cast.input[0])
+                for cast in casts
+                if cast is not None
+                and cast.op_type == "Cast"
+                and _attribute(cast, "to") == onnx.TensorProto.FLOAT
+            }
+            if len(sources) != 1 or next(iter(sources)) not in integer_types:
+                continue
+            dtype = integer_types[sources.pop()]
+            operands = [
+                _integer_operand(name, cast, constants, dtype) for name, cast in zip(node.input, casts)
+            ]
+            if any(operand is None for operand in operands):
+                continue
+            for index, operand in enumerate(operands):
+                if isinstance(operand, np.ndarray):  # a float constant holding integers: in `dtype`
+                    name = _unique(node.input[index] + "/integer", taken)
+                    taken.add(name)
+                    model.graph.initializer.append(numpy_helper.from_array(operand, name))
+                    operand = name
+                node.input[index] = operand
+    _drop_dead_nodes(model.graph)
+    _drop_unused_initializers(model.graph)
+    return model
+
+
+def _integer_operand(name, producer, constants, dtype):
+    """What a comparison in `dtype` reads instead of `name`: the integer a `Cast(to float)` of
+    `dtype` converted, or a float constant's values as a `dtype` array where all are integers
+    that float32 holds exactly; else None."""
+    if producer is not None and producer.op_type == "Cast":
+        return producer.input[0]  # of `dtype` (the caller checked every cast's source type)
+    if name in constants and producer is None:
+        values = numpy_helper.to_array(constants[name])
+        if (
+            values.dtype == np.float32
+            and np.all(np.abs(values) <= 2.0**24)
+            and np.all(values == np.round(values))
+        ):
+            return values.astype(dtype)
+    return None
+
+
+def tensor_types(model):
+    """`{value name: ONNX element type}` over the model and its subgraphs, where ONNX shape
+    inference knows it."""
+    inferred = onnx.shape_inference.infer_shapes(model)
+    types = {}
+    for graph in all_graphs(inferred.graph):
+        for value in [*graph.value_info, *graph.input, *graph.output]:
+            if value.type.tensor_type.elem_type:
+                types[value.name] = value.type.tensor_type.elem_type
+        types.update((init.name, init.data_type) for init in graph.initializer)
+    return types
+
+
 def simplify(model, layer_norms=True, wheres=True):
     """`model` (changed in place and returned) with the rewrites applied (the LayerNorm fusion and the
     `Where`s only if `layer_norms` / `wheres`: benchmarks compare without them) and unused
@@ -842,6 +925,7 @@ def simplify(model, layer_norms=True, wheres=True):
     if wheres:
         select_with_where(model)
     read_transposed_weights(model)
+    compare_integers(model)
     # Last: ONNX shape inference, which the rewrites above need, does not see the types of a
     # subgraph's outer initializers, and this moves every subgraph's into the main graph.
     store_constants_once(model)

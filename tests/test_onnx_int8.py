@@ -18,6 +18,7 @@ from keras_transformer_export.fused_kernels import FUSIONS, count_fused, fuse_fo
 from keras_transformer_export.graph_rewrites import (
     all_graphs,
     collapse_tensordots,
+    compare_integers,
     count_nodes,
     fuse_layer_norms,
     hoist_loop_invariants,
@@ -850,3 +851,52 @@ def test_onnx_kernels_is_refused_outside_onnx(trained_run, tmp_path, capsys):
     assert error == ["keras-transformer: error: --onnx-kernels fused is for --format onnx only; "
                      "drop it or use --format onnx."]  # fmt: skip
     assert not (tmp_path / "serving").exists()
+
+
+def test_integers_tf2onnx_compares_as_floats_are_compared_as_integers():
+    """tf2onnx converts an integer `Greater`/`Less` as a comparison of float32 casts: 2^31 + 5 and
+    2^31 compare equal. `compare_integers` compares the integers (TensorFlow's results), with
+    integral float constants read in the integer type (up to 2^24: a larger one was rounded by the
+    conversion itself); a float comparison stays as it was."""
+    import tensorflow as tf
+    import tf2onnx
+
+    def compare(x, y, small):
+        return (
+            tf.greater(x, y),
+            tf.less(x, tf.constant(4, tf.int64)),
+            tf.less(small, 7),
+            tf.greater(tf.cast(small, tf.float32), 2.5),  # floats by choice: kept
+        )
+
+    spec = [tf.TensorSpec([None], tf.int64, name=n) for n in ("x", "y")] + [
+        tf.TensorSpec([None], tf.int32, name="small")
+    ]
+    converted, _ = tf2onnx.convert.from_function(tf.function(compare), input_signature=spec, opset=17)
+    feeds = dict(
+        x=np.array([2**31 + 5, 2**31 + 7, 3], np.int64),
+        y=np.array([2**31, 2**31 + 7, 2], np.int64),
+        small=np.array([6, 7, 8], np.int32),
+    )
+    expected = [np.asarray(t) for t in compare(*(tf.constant(feeds[n]) for n in ("x", "y", "small")))]
+
+    def run(model):
+        session = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        return session.run(None, feeds)
+
+    assert not np.array_equal(run(converted)[0], expected[0])  # the converted graph's error
+    casts = sum(node.op_type == "Cast" for node in converted.graph.node)
+    rewritten = compare_integers(converted)
+    onnx.checker.check_model(rewritten, full_check=True)
+    for found, wanted in zip(run(rewritten), expected):
+        np.testing.assert_array_equal(found, wanted)
+    assert sum(node.op_type == "Cast" for node in rewritten.graph.node) == 1  # the float comparison's
+    assert casts > 1
+
+    # A constant above 2^24 was rounded to float32 by the conversion itself (its value is lost):
+    # such a comparison is left as converted.
+    def large(x):
+        return tf.less(x, tf.constant(2**31 + 6, tf.int64))
+
+    converted, _ = tf2onnx.convert.from_function(tf.function(large), input_signature=spec[:1], opset=17)
+    assert [n.op_type for n in compare_integers(converted).graph.node] == ["Cast", "Less"]
