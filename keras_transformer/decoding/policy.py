@@ -71,10 +71,13 @@ def control_piece(piece):
     line or paragraph separator (Unicode categories Cc, Zl, Zp: a vocabulary trained without
     normalization may keep tabs, newlines or U+2028).
 
-    No translation outputs one (`never_output_ids`): a newline or carriage return in a
-    translation splits it across two lines of an output file, so every later line is
-    misaligned with its source; a NUL ends it early where the text passes through a C string
-    (onnxruntime-extensions' detokenizer in `translate_text.onnx`); a tab breaks a TSV column."""
+    No translation outputs one (`never_output_ids`): a NUL ended a translation early where the
+    text passes through a C string (onnxruntime-extensions' detokenizer in `translate_text.onnx`)
+    and nowhere else; a newline, carriage return or tab in a text the library or a server returns
+    splits the line or the TSV column its user writes it to (`translate` itself writes
+    line-breaking characters as spaces: `cli.one_line`). A C1 control or a line separator that
+    several byte pieces spell together (`<0xC2><0x85>` is U+0085) is not prevented: that is a
+    sequence, not a piece."""
     if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
         byte = int(piece[3:5], 16)
         return byte < 0x20 or byte == 0x7F
