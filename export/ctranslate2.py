@@ -406,11 +406,9 @@ class CTranslate2Translator:
                 ranked = self._rank(sources, outputs, options, rescore=prefix is not None and any(prefix))
                 for index, hypotheses in zip(chunk, ranked):
                     results[index] = hypotheses[: options.num_return]
-        again = [
-            i
-            for i, hyps in enumerate(results)
-            if not ban_controls and any(self.control_pieces & set(h[0]) for h in hyps)
-        ]
+        if ban_controls:
+            return results
+        again = [i for i, hyps in enumerate(results) if any(self.control_pieces & set(h[0]) for h in hyps)]
         if again:
             redone = self._search(
                 [tokens[i] for i in again],

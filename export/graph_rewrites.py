@@ -797,14 +797,35 @@ def _unique(name, taken):
 
 def tensor_ranks(model):
     """`{value name: rank}` over the model and its subgraphs, where ONNX shape inference knows it."""
-    inferred = onnx.shape_inference.infer_shapes(model)
     ranks = {}
-    for graph in all_graphs(inferred.graph):
-        for value in [*graph.value_info, *graph.input, *graph.output]:
-            if value.type.tensor_type.HasField("shape"):
-                ranks[value.name] = len(value.type.tensor_type.shape.dim)
+    for graph, values in _inferred_values(model):
+        ranks.update(
+            (value.name, len(value.type.tensor_type.shape.dim))
+            for value in values
+            if value.type.tensor_type.HasField("shape")
+        )
         ranks.update((init.name, len(init.dims)) for init in graph.initializer)
     return ranks
+
+
+def tensor_types(model):
+    """`{value name: ONNX element type}` over the model and its subgraphs, where ONNX shape
+    inference knows it."""
+    types = {}
+    for graph, values in _inferred_values(model):
+        types.update(
+            (value.name, value.type.tensor_type.elem_type)
+            for value in values
+            if value.type.tensor_type.elem_type
+        )
+        types.update((init.name, init.data_type) for init in graph.initializer)
+    return types
+
+
+def _inferred_values(model):
+    """`(graph, its value infos, inputs and outputs)` for each graph of `model` after ONNX shape inference."""
+    inferred = onnx.shape_inference.infer_shapes(model)
+    return [(graph, [*graph.value_info, *graph.input, *graph.output]) for graph in all_graphs(inferred.graph)]
 
 
 def read_transposed_weights(model):
@@ -901,19 +922,6 @@ def _integer_operand(name, producer, constants, dtype):
         ):
             return values.astype(dtype)
     return None
-
-
-def tensor_types(model):
-    """`{value name: ONNX element type}` over the model and its subgraphs, where ONNX shape
-    inference knows it."""
-    inferred = onnx.shape_inference.infer_shapes(model)
-    types = {}
-    for graph in all_graphs(inferred.graph):
-        for value in [*graph.value_info, *graph.input, *graph.output]:
-            if value.type.tensor_type.elem_type:
-                types[value.name] = value.type.tensor_type.elem_type
-        types.update((init.name, init.data_type) for init in graph.initializer)
-    return types
 
 
 def simplify(model, layer_norms=True, wheres=True):
