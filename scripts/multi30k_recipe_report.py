@@ -126,6 +126,10 @@ def run_results(run, epochs_asked, max_minutes, start, trained, end):
         "model": model_summary(settings["model"]),
         # Not in the paper: the fraction of the updates over which the learning rate falls to zero.
         "cooldown": settings.get("options", {}).get("cooldown"),
+        # Each member's (the recipe trains the members after the first at another one).
+        "label_smoothing": [
+            read_json(member / "run.json").get("options", {}).get("label_smoothing") for member in members
+        ],
         "members": len(members),
         "epochs_asked": epochs_asked,
         "epochs": min(len(m["epochs"]) for m in member_metrics),
@@ -173,6 +177,14 @@ def merged(entry, path=RECIPE_JSON):
     return [item for item in runs if key(item) != key(entry)] + [entry]
 
 
+def smoothing_cell(label_smoothing):
+    """ ", label smoothing 0.1 / 0.2" where the members trained at different ones; else nothing
+    (one value for all is the recipe's and the table's other runs')."""
+    if not label_smoothing or len(set(label_smoothing)) < 2:
+        return ""
+    return ", label smoothing " + " / ".join(f"{value:g}" for value in label_smoothing)
+
+
 def table(runs):
     """The Markdown table "test2016 BLEU at N epochs", one row per run."""
     lines = [
@@ -191,7 +203,8 @@ def table(runs):
             ensemble
             + "{num_layers}+{num_decoder_layers} layers, d_model {d_model}, d_ff {d_ff}, "
             "dropout {dropout_rate}, BPE {vocab_size}".format(**run["model"])
-            + (f", learning-rate cooldown {run['cooldown']}" if run.get("cooldown") else ""),
+            + (f", learning-rate cooldown {run['cooldown']}" if run.get("cooldown") else "")
+            + smoothing_cell(run.get("label_smoothing")),
             f"{machine['cpu']}, {machine['cores']} cores, {simd}",
             f"{run['seconds_per_epoch']['median']:.0f}",
             f"{minutes['total']:.0f} ({minutes['training']:.0f} + {minutes['evaluation']:.0f})",

@@ -121,8 +121,8 @@ def test_an_ensemble_run_is_reported_with_its_members(tmp_path, import_script):
     report = import_script("multi30k_recipe_report")
     run, results = tmp_path / "ensemble", tmp_path / "recipe.json"
     _fake_run(run, 2)
-    for member in (0, 1):
-        _fake_run(run / f"member-{member}", 4 - member)  # member 1 was cut after 3 of 4 epochs
+    for member in (0, 1):  # member 1 was cut after 3 of 4 epochs, and trained at label smoothing 0.2
+        _fake_run(run / f"member-{member}", 4 - member, options={"label_smoothing": 0.1 * (member + 1)})
     for name in ("metrics.json", "run.json"):
         (run / name).unlink()  # an ensemble's run directory has no model of its own
     alone = {**SCORES, "bleu": 34.0, "beam_size": 8, "length_penalty": 1.0, "model": "m0/averaged.keras"}
@@ -138,3 +138,4 @@ def test_an_ensemble_run_is_reported_with_its_members(tmp_path, import_script):
     assert entry["seconds"] == [0, 3000, 3600]
     row = report.table(json.loads(results.read_text())["runs"]).splitlines()[2]
     assert "| ensemble of 2: 3+3 layers, d_model 128" in row and "**36.50**" in row
+    assert entry["label_smoothing"] == [0.1, 0.2] and ", BPE 8000, label smoothing 0.1 / 0.2 |" in row
