@@ -120,16 +120,15 @@ def run_results(run, epochs_asked, max_minutes, start, trained, end):
     test = read_json(run / "eval-multi30k-test.json")
     machine = harness.machine()
     cut = any(len(m["epochs"]) < epochs_asked and m.get("status") == "finished" for m in member_metrics)
-    settings = read_json(members[0] / "run.json")
+    member_settings = [read_json(member / "run.json") for member in members]
+    settings = member_settings[0]
     return {
         "machine": machine,
         "model": model_summary(settings["model"]),
         # Not in the paper: the fraction of the updates over which the learning rate falls to zero.
         "cooldown": settings.get("options", {}).get("cooldown"),
         # Each member's (the recipe trains the members after the first at another one).
-        "label_smoothing": [
-            read_json(member / "run.json").get("options", {}).get("label_smoothing") for member in members
-        ],
+        "label_smoothing": [found.get("options", {}).get("label_smoothing") for found in member_settings],
         "members": len(members),
         "epochs_asked": epochs_asked,
         "epochs": min(len(m["epochs"]) for m in member_metrics),

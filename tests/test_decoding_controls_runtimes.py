@@ -262,7 +262,6 @@ def test_no_runtime_outputs_a_control_character(results, requests, parts):
     cut the translation short). No text holds an ASCII control character (a C1 control spelled
     by two byte pieces may: not a piece). The model alone, without the rule, samples such
     pieces for this request: the case tests something."""
-
     from keras_transformer.decoding.search import sample
 
     for runtime, cases in results.items():
