@@ -53,7 +53,7 @@ from onnx import AttributeProto, TensorProto, helper, numpy_helper
 from keras_transformer.decoding import policy
 from keras_transformer_export.cache_names import cache_layers
 from keras_transformer_export.graph_rewrites import prefixed_graph
-from keras_transformer_export.onnx_runtime import LEAN_GRAPH
+from keras_transformer_export.onnx_runtime import CONTROLS_OFF, LEAN_GRAPH
 from keras_transformer_export.onnx_runtime import LEAN_OPTIONS as OPTION_INPUTS
 
 OUTPUT_SHAPES = {
@@ -247,12 +247,16 @@ class OnnxOps:
     def minimum(self, a, b):
         if _is_constant(a) and _is_constant(b):
             return np.minimum(a, b)
+        if _innermost(a, b) is not self:  # operands of enclosing graphs only: computed there
+            return _innermost(a, b).minimum(a, b)
         a, b = self._pair(a, b)
         return self.node("Min", [a, b], a.dtype, max(a.rank, b.rank))
 
     def where(self, condition, a, b):
         if all(_is_constant(x) for x in (condition, a, b)):
             return np.where(condition, a, b)
+        if _innermost(condition, a, b) is not self:  # as `minimum`
+            return _innermost(condition, a, b).where(condition, a, b)
         if _is_constant(a) and _is_constant(b):  # their common dtype
             dtype = np.result_type(np.asarray(a), np.asarray(b))
             a, b = self.const(a, dtype), self.const(b, dtype)
@@ -638,8 +642,9 @@ def lean_translate_graph(encoder, decoder_step, config, decoding, blank, never):
     # The others stay live; a slot whose candidate finished is dead this step.
     alive_log_probs = body.where(is_eos, neg_inf, top_log_probs)
     final = policy.search_is_final(
-        next_step, stage_limits_float, alive_log_probs, finished_scores, alpha, body
-    )
+        next_step, stage_limits_float, alive_log_probs, finished_scores, alpha, body,
+        options["early_stopping"],
+    )  # fmt: skip
     new = {
         "step": step64 + np.int64(1),
         "last": body.reshape(tokens, (-1,)),
@@ -688,8 +693,9 @@ def lean_translate_graph(encoder, decoder_step, config, decoding, blank, never):
     }
     for name, value in graph_outputs.items():
         main.nodes.append(helper.make_node("Identity", [value.name], [name], name=f"lean/{name}"))
-    defaults = [
-        numpy_helper.from_array(np.array(decoding[n], dtype), n) for n, dtype in OPTION_INPUTS.items()
+    defaults = [  # an option newer than the export: its default
+        numpy_helper.from_array(np.array(decoding.get(n, getattr(CONTROLS_OFF, n)), dtype), n)
+        for n, dtype in OPTION_INPUTS.items()
     ]
     graph = helper.make_graph(
         main.nodes,

@@ -337,7 +337,13 @@ class _Search:
             finished = pool[rows, keep]
             alive_log_probs = np.where(is_eos, NEG_INF, top_log_probs).astype(np.float32)
             done = policy.search_is_final(
-                step + 1, limits.astype(np.float32), alive_log_probs, finished_scores, self.alpha, np
+                step + 1,
+                limits.astype(np.float32),
+                alive_log_probs,
+                finished_scores,
+                self.alpha,
+                np,
+                bool(self.options.early_stopping),
             )
             for result, value in zip(results, (finished, finished_scores, finished_log_probs)):
                 result[sentences[done]] = value[done]
@@ -448,7 +454,7 @@ class FullGraphSearch:
 LEAN_GRAPH = "translate_lean"
 LEAN_OPTIONS = {
     name: np.dtype(rules.OPTION_DTYPES[name]).type
-    for name in ("length_penalty", "max_extra_length", "min_length")
+    for name in ("length_penalty", "max_extra_length", "min_length", "early_stopping")
 }
 CONTROLS_OFF = DecodingOptions()  # every option at its default: each control off
 

@@ -184,6 +184,7 @@ def _request(args):
         "sampling_temperature": args.sampling_temperature,
         "seed": args.seed,
         "return_alignments": args.alignments,
+        "early_stopping": args.early_stopping,
     }
     try:
         DecodingOptions(**values).check(args.beam_size)
@@ -334,6 +335,12 @@ def _decoding_arguments(parser):
     )
     add("--suppress-file", metavar="F", help="strings, one per line, that no translation may contain")
     add("--disable-unk", action="store_true", help="never output <unk>")
+    add(
+        "--early-stopping",
+        action="store_true",
+        help="end a sentence's beam search once it has --beam-size finished hypotheses "
+        "(CTranslate2's rule: fewer steps) instead of when none can be beaten",
+    )
     add(
         "--no-repeat-ngram-size",
         type=non_negative_int,

@@ -19,6 +19,7 @@ search also at each of `--ct2-threads` (1 and 2 by default):
 | onnx_fused_int8     | the same with `--quantization int8` |
 | onnx_lean           | `translate_lean.onnx` (`OnnxTranslator(mode="lean")`): the beam search without controls written as ONNX nodes around `encoder.onnx` and `decoder_step.onnx` (`keras_transformer_export.lean_search`) |
 | onnx_fused_lean, onnx_fused_int8_lean | the same built from the fused float32 and int8 step graphs |
+| keras / onnx_*lean (early stopping) | the same runtimes, each request with `early_stopping=True`: a sentence's search ends once its pool holds `beam` finished hypotheses, CTranslate2's own rule (ours by default searches until no live hypothesis can beat them); compared with Keras under the same option |
 | ct2_float32         | `export --format ctranslate2`, `CTranslate2Translator` (GNMT re-ranking of the n-best; batches split by source length for exact parity) |
 | ct2_int8            | the same with `--quantization int8` |
 | ct2_native_float32  | CTranslate2's own search on the same batches: one `translate_batch` per batch, its own length penalty (score / length^α): what a user who picks CTranslate2 runs, **the baseline of every ratio** |
@@ -97,10 +98,23 @@ BATCH = 32
 # CTranslate2 at batch 1 took 8-14 ms alone, 22-41 ms right after an ONNX Runtime session's
 # runs, 11.5 ms after a 50 ms pause. Each runtime is timed as it would run alone.
 SETTLE_SECONDS = 0.05
-EXACT = ("keras (fixed cache)", "saved_model", "onnx_full (before)", "onnx_full", "onnx_split", "onnx_lean")
+EXACT = (
+    "keras (fixed cache)", "saved_model", "onnx_full (before)", "onnx_full", "onnx_split", "onnx_lean",
+    "onnx_lean (early stopping)",
+)  # fmt: skip
 # Compiled by XLA or fused kernels, other rounding: a near-tie may flip. Its identical count is reported, and the
 # sentences where it differs from Keras are listed in the JSON (`differences`).
-REPORTED = ("saved_model_xla", "onnx_fused", "onnx_fused_lean")
+REPORTED = ("saved_model_xla", "onnx_fused", "onnx_fused_lean", "onnx_fused_lean (early stopping)")
+# The rows searched with `early_stopping=True` (CTranslate2's stop rule: a sentence's search ends
+# once its pool holds `beam` finished hypotheses): the lean graphs, checked against Keras with the
+# same option.
+EARLY = " (early stopping)"
+EARLY_ROWS = ("onnx_lean", "onnx_fused_lean", "onnx_fused_int8_lean")
+
+
+def reference_row(name):
+    """The Keras row a runtime's translations are compared with: Keras with the same stop rule."""
+    return "keras" + EARLY if name.endswith(EARLY) else "keras"
 
 
 def _threads(count):
@@ -188,11 +202,13 @@ def runtimes(model, tokenizer, directory, args):
 
     result = {
         "keras": lambda s: keras_translator.translate(s)[0],
+        "keras" + EARLY: lambda s: keras_translator.translate(s, early_stopping=True)[0],
         "keras (fixed cache)": lambda s: fixed_translator.translate(s)[0],
         "saved_model": saved_model,
         "saved_model_xla": saved_model_xla,
     }
     result.update({name: worker.mode("translate") for name, worker in onnx_workers.items()})
+    result.update({name + EARLY: onnx_workers[name].mode("early_stopping") for name in EARLY_ROWS})
     for q, worker in ct2_workers.items():
         result[f"ct2_{q}"] = worker.mode("parity")
     for q, worker in ct2_workers.items():
@@ -337,7 +353,13 @@ def _onnx_serve(export_dir, graph, threads, connection):
             "TensorFlow-free server; keep TensorFlow imports inside bench_serving's functions."
         )
     translator = OnnxTranslator(export_dir, graph, BATCH, threads)
-    _serve(connection, {"translate": lambda sentences: translator.translate(sentences)[0]})
+    _serve(
+        connection,
+        {
+            "translate": lambda sentences: translator.translate(sentences)[0],
+            "early_stopping": lambda sentences: translator.translate(sentences, early_stopping=True)[0],
+        },
+    )
 
 
 class Worker:
@@ -613,7 +635,7 @@ def main():
         print(f"Exported in {export_seconds:.0f}s; warming up.", flush=True)
         warm = [sources[i] for i in batches[len(batches) // 2]]
         outputs = {name: f(warm) + [f([s])[0] for s in single[:3]] for name, f in translate.items()}
-        disagree = [name for name in EXACT if outputs[name] != outputs["keras"]]
+        disagree = [name for name in EXACT if outputs[name] != outputs[reference_row(name)]]
         if disagree:
             raise SystemExit(f"bench_serving: {disagree} translate differently from Keras; no timings.")
 
@@ -633,8 +655,9 @@ def main():
         xla_buckets = sizes.pop("xla_buckets")
         load = serving_load_rows(paths, sources, args) if args.load else {}
 
-    reference = texts["keras"]
-    identical = {name: sum(a == b for a, b in zip(reference, t)) for name, t in texts.items()}
+    identical = {
+        name: sum(a == b for a, b in zip(texts[reference_row(name)], t)) for name, t in texts.items()
+    }
     exact_failures = [name for name in EXACT if identical[name] != len(sources)]
     if exact_failures:
         raise SystemExit(
@@ -654,9 +677,9 @@ def main():
             **(
                 {
                     "differences": [
-                        {"index": i, "source": sources[i], "keras": reference[i], name: t}
+                        {"index": i, "source": sources[i], "keras": texts[reference_row(name)][i], name: t}
                         for i, t in enumerate(texts[name])
-                        if t != reference[i]
+                        if t != texts[reference_row(name)][i]
                     ]
                 }
                 if name in REPORTED
@@ -743,6 +766,8 @@ def main():
         "onnx_lean >= 1.0x ct2_native_float32": "onnx_lean",
         "onnx_fused_lean >= 1.0x ct2_native_float32": "onnx_fused_lean",
         "onnx_fused_int8_lean >= 1.0x ct2_native_int8": "onnx_fused_int8_lean",
+        "onnx_fused_lean (early stopping) >= 1.0x ct2_native_float32": "onnx_fused_lean" + EARLY,
+        "onnx_fused_int8_lean (early stopping) >= 1.0x ct2_native_int8": "onnx_fused_int8_lean" + EARLY,
         "saved_model_xla >= 0.5x ct2_native_float32": "saved_model_xla",
         "saved_model (no XLA)": "saved_model",
     }

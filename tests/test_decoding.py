@@ -118,6 +118,36 @@ def test_n_best_is_sorted_distinct_and_scored(reverse_model):
         assert len({tuple(h) for h in row}) == 4
 
 
+def test_early_stopping_ends_each_search_when_its_pool_fills(reverse_model, monkeypatch):
+    """`early_stopping=True` (CTranslate2's stop rule) decodes fewer steps and returns the pool as it
+    stood when it filled: the searches agree until then, so the exact search's pool is the best of
+    a superset of the candidates and scores at least as well at every rank."""
+    model = reverse_model.model
+    sources = _unseen_sources(16, seed=43)
+    rows = []
+    decode_step = type(model).decode_step
+
+    def counting(self, token_ids, *args, **kwargs):
+        rows.append(int(token_ids.shape[0]))
+        return decode_step(self, token_ids, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "decode_step", counting)
+    found = {}
+    for early in (False, True):
+        rows.clear()
+        found[early] = kt.beam_search(
+            model, sources, beam_size=4, num_return=4, length_penalty=1.0, cache_policy="growing",
+            early_stopping=early,
+        )  # fmt: skip
+        found[early, "rows"] = sum(rows)
+    exact, early = found[False], found[True]
+    assert found[True, "rows"] < found[False, "rows"]  # fewer decoder rows in all
+    assert np.all(np.asarray(early.scores) <= np.asarray(exact.scores) + 1e-5)
+    assert np.any(np.asarray(early.scores) < np.asarray(exact.scores) - 1e-3)  # some pool did change
+    expected = _reversed_with_eos(sources)
+    assert np.mean([d == e for d, e in zip(_strip(early.ids[:, 0]), expected)]) >= 0.9
+
+
 @pytest.mark.parametrize("search", ["greedy", "beam"])
 def test_batch_invariance(reverse_model, search):
     sources = _unseen_sources(6, seed=19)

@@ -58,7 +58,7 @@ def test_the_policy_rules_as_onnx_nodes_compute_what_numpy_computes(step, min_le
     ops = OnnxOps("t/")
     names = {"log_probs": (np.float32, 3), "step": (np.int32, 0), "limits": (np.int32, 1),
              "min_length": (np.int32, 0), "alive": (np.float32, 2), "finished": (np.float32, 2),
-             "alpha": (np.float32, 0)}  # fmt: skip
+             "alpha": (np.float32, 0), "early": (np.bool_, 0)}  # fmt: skip
     t = {name: Tensor(ops, name, dtype, rank) for name, (dtype, rank) in names.items()}
     constrained = policy.constrain(
         t["log_probs"], t["step"], t["limits"], never, is_eos, t["min_length"], ops
@@ -67,19 +67,24 @@ def test_the_policy_rules_as_onnx_nodes_compute_what_numpy_computes(step, min_le
     final = policy.search_is_final(
         ops.cast(t["step"], np.float32), limits_float, t["alive"], t["finished"], t["alpha"], ops
     )
+    early_final = policy.search_is_final(
+        ops.cast(t["step"], np.float32), limits_float, t["alive"], t["finished"], t["alpha"], ops, t["early"]
+    )
     bounded = policy.output_limits(t["limits"], 16, ops, 3)
     feed = {"log_probs": log_probs, "step": np.array(step, np.int32), "limits": limits,
             "min_length": np.array(min_length, np.int32), "alive": alive, "finished": finished,
             "alpha": np.array(alpha)}  # fmt: skip
-    got = _run(ops, names, [constrained, final, bounded], feed)
-
-    want = [
-        policy.constrain(log_probs, step, limits, never, is_eos, min_length, np),
-        policy.search_is_final(np.float32(step), np.float32(limits), alive, finished, alpha, np),
-        policy.output_limits(limits, 16, np, 3),
-    ]
-    for ours, theirs in zip(got, want):
-        np.testing.assert_array_equal(ours, theirs)
+    for early in (False, True):
+        got = _run(ops, names, [constrained, final, bounded, early_final], dict(feed, early=np.array(early)))
+        want = [
+            policy.constrain(log_probs, step, limits, never, is_eos, min_length, np),
+            policy.search_is_final(np.float32(step), np.float32(limits), alive, finished, alpha, np),
+            policy.output_limits(limits, 16, np, 3),
+            policy.search_is_final(np.float32(step), np.float32(limits), alive, finished, alpha, np, early),
+        ]
+        for ours, theirs in zip(got, want):
+            np.testing.assert_array_equal(ours, theirs)
+        assert early or np.array_equal(got[3], got[1])
     assert not np.all(got[0] == log_probs)  # the rules did something
 
 
@@ -105,7 +110,15 @@ def batch(onnx_dir, synthetic_files):
     return OnnxTranslator(onnx_dir, "full").encode(chosen)
 
 
-@pytest.mark.parametrize("options", [{}, dict(num_return=4), dict(length_penalty=1.1, max_extra_length=7)])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        dict(num_return=4),
+        dict(length_penalty=1.1, max_extra_length=7),
+        dict(early_stopping=True, num_return=4),
+    ],
+)
 def test_lean_graph_gives_translate_onnx_hypotheses_on_a_batch_with_stages(onnx_dir, batch, options):
     request = DecodingOptions(**options)
     full = FullGraphSearch(onnx_dir).search(batch, request)

@@ -49,6 +49,23 @@ def test_a_dead_slot_zero_does_not_end_the_search():
     assert policy.search_is_final(20, np.array([20.0], np.float32), alive, finished, 0.6, np)[0]  # limit
 
 
+def test_early_stopping_ends_a_sentence_once_its_pool_is_full():
+    # Row 0: a full pool that the live hypothesis could still beat (-1.0 / penalty(20) > -3.0);
+    # row 1: a pool with an empty slot; row 2: a full pool no live hypothesis can beat.
+    alive = np.array([[-1.0, -2.0], [-1.0, -2.0], [-40.0, -50.0]], np.float32)
+    empty = policy.NEG_INF / policy.length_penalty(np.float32(3), 0.6)
+    finished = np.array([[-0.5, -3.0], [-0.5, empty], [-0.5, -3.0]], np.float32)
+    limits = np.full((3,), 20.0, np.float32)
+    exact = policy.search_is_final(3, limits, alive, finished, 0.6, np)
+    early = policy.search_is_final(3, limits, alive, finished, 0.6, np, early_stopping=True)
+    np.testing.assert_array_equal(exact, [False, False, True])
+    np.testing.assert_array_equal(early, [True, False, True])
+    for flag, want in ((True, early), (False, exact)):  # a request's option: a tensor in a graph
+        tensor = ops.convert_to_tensor(flag)
+        got = ops.convert_to_numpy(policy.search_is_final(3, limits, alive, finished, 0.6, ops, tensor))
+        np.testing.assert_array_equal(got, want)
+
+
 def test_the_onnx_runtime_driver_uses_the_same_module():
     from keras_transformer_export import onnx_runtime
 

@@ -61,6 +61,9 @@ class DecodingOptions:
         sampling_temperature: divides the log-probabilities before sampling.
         seed: the samples are a function of (seed, sentence index, sample index, step).
         return_alignments: also return each output token's most attended source position.
+        early_stopping: a sentence's beam search ends as soon as its pool holds `beam_size`
+            finished hypotheses (CTranslate2's rule, Hugging Face's `early_stopping=True`),
+            not when no live hypothesis can still beat them (`policy.search_is_final`).
     """
 
     length_penalty: float = LENGTH_PENALTY
@@ -75,6 +78,7 @@ class DecodingOptions:
     sampling_temperature: float = 1.0
     seed: int = 0
     return_alignments: bool = False
+    early_stopping: bool = False
 
     @property
     def sampling(self):

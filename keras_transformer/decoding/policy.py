@@ -210,7 +210,13 @@ def empty_sources(source_ids, blank, xp):
     return xp.all(xp.take(blank, source_ids, axis=0), axis=1)
 
 
-def search_is_final(step, limits, alive_log_probs, finished_scores, alpha, xp):
+# Above the score of every empty slot of a pool (`NEG_INF` divided by a length penalty no larger
+# than the sentence's limit's) and below every hypothesis's: `search_is_final`'s early stopping.
+FULL_POOL = 0.5 * NEG_INF
+FLOAT32_MAX = 3.4028235e38
+
+
+def search_is_final(step, limits, alive_log_probs, finished_scores, alpha, xp, early_stopping=False):
     """Whether each sentence's beam search is final before decoding position `step`: `(sentences,)` bool.
 
     A live hypothesis can at best keep its log-probability and get the
@@ -220,6 +226,13 @@ def search_is_final(step, limits, alive_log_probs, finished_scores, alpha, xp):
     over the beam, not slot 0: a slot whose candidate ended in EOS is dead
     (`NEG_INF`) for a step. A sentence that reached its limit is final too.
 
+    With `early_stopping` a sentence is also final as soon as its pool holds
+    `beam` finished hypotheses, whether or not a live one could still beat
+    them: CTranslate2's rule (`src/decoding.cc`: a batch is finished once
+    `beam_size` hypotheses are) and Hugging Face's `early_stopping=True`.
+    Fewer steps; the result can differ where a longer hypothesis would have
+    won. Off (a Python `False`), the rule adds nothing to a graph.
+
     Args:
         step: tokens decoded so far (an int or a scalar tensor).
         limits: float32 `(sentences,)`, `output_limits` as floats.
@@ -227,6 +240,12 @@ def search_is_final(step, limits, alive_log_probs, finished_scores, alpha, xp):
         finished_scores: float32 `(sentences, beam)`, best first (`NEG_INF`: empty slot).
         alpha: `length_penalty`'s α.
         xp: `numpy` or `keras.ops`.
+        early_stopping: a bool, or a scalar bool tensor (a request's option).
     """
-    best_alive = xp.max(alive_log_probs, axis=1) / length_penalty(limits, alpha)
+    penalty = length_penalty(limits, alpha)
+    best_alive = xp.max(alive_log_probs, axis=1) / penalty
+    if early_stopping is True:
+        best_alive = xp.minimum(best_alive, FULL_POOL / penalty)
+    elif early_stopping is not False:
+        best_alive = xp.minimum(best_alive, xp.where(early_stopping, FULL_POOL / penalty, FLOAT32_MAX))
     return xp.logical_or(xp.greater_equal(finished_scores[:, -1], best_alive), xp.greater_equal(step, limits))

@@ -200,7 +200,7 @@ def _decode(
     def searched(controls, banned=banned):
         ids, scores, log_probs = beam_pools(
             model, source_ids, beam_size, o.length_penalty, o.max_extra_length, None, o.min_length, True,
-            cache_policy, banned, controls, never,
+            cache_policy, banned, controls, never, o.early_stopping,
         )  # fmt: skip
         n = o.num_return
         return Hypotheses(ids[:, :n], scores[:, :n], log_probs[:, :n])

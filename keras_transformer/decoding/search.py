@@ -431,6 +431,7 @@ def beam_search(
     use_cache=True,
     cache_policy="auto",
     never=None,
+    early_stopping=False,
     **controls,
 ):
     """Beam search with the GNMT length penalty and a pool of finished hypotheses (§6.1).
@@ -459,6 +460,8 @@ def beam_search(
         never: bool `(vocab,)`, the ids never output (`policy.never_output_ids` of the
             tokenizer: also the pieces of control characters); None: the model's
             `NEVER_OUTPUT` ids alone.
+        early_stopping: a sentence is done as soon as its pool is full (CTranslate2's rule:
+            fewer steps, `policy.search_is_final`).
         **controls: `disable_unk` (bool), `suppress_sequences` (token lists, or an
             int array `(count, width)` padded with `pad_id`), `target_prefix` (one token
             list per sentence, or `(batch, width)` padded), `no_repeat_ngram_size` (int),
@@ -479,7 +482,7 @@ def beam_search(
     banned, controls = split_controls(model.config, **controls)
     ids, scores, log_probs = beam_pools(
         model, source_ids, beam_size, length_penalty, max_extra_length, max_length, min_length,
-        use_cache, cache_policy, banned, controls, never,
+        use_cache, cache_policy, banned, controls, never, early_stopping,
     )  # fmt: skip
     if isinstance(num_return, int) and num_return == 1:
         return Translations(ids[:, 0], scores[:, 0], log_probs[:, 0])
@@ -488,7 +491,7 @@ def beam_search(
 
 def beam_pools(
     model, source_ids, beam_size, alpha, max_extra_length, max_length, min_length, use_cache, cache_policy,
-    banned, controls, never=None,
+    banned, controls, never=None, early_stopping=False,
 ):  # fmt: skip
     """`beam_search` with its controls split (`split_controls`): the whole pools, `(batch, beam,
     max_len)` ids and `(batch, beam)` scores and log-probabilities, best first."""
@@ -497,7 +500,7 @@ def beam_pools(
         model, source_ids, max_length, max_extra_length, min_length, disable_unk, banned, never=never
     )
     decoder = _make_decoder(model, setup, beam_size, use_cache, cache_policy)
-    return _BeamSearch(model, setup, decoder, beam_size, alpha, controls).run()
+    return _BeamSearch(model, setup, decoder, beam_size, alpha, controls, early_stopping).run()
 
 
 class _Setup:
@@ -956,9 +959,9 @@ class _BeamSearch:
         "finished_log_probs", "done",
     )  # fmt: skip
 
-    def __init__(self, model, setup, decoder, beam_size, alpha, controls):
+    def __init__(self, model, setup, decoder, beam_size, alpha, controls, early_stopping=False):
         self.config, self.setup, self.decoder = model.config, setup, decoder
-        self.beam_size, self.controls = beam_size, controls
+        self.beam_size, self.controls, self.early_stopping = beam_size, controls, early_stopping
         self.alpha = float(alpha) if isinstance(alpha, (int, float)) else ops.cast(alpha, "float32")
         self.prefix_keys = () if controls.target_prefix is None else ("prefix", "prefix_lengths")
 
@@ -1036,7 +1039,9 @@ class _BeamSearch:
     def _sentence_done(self, step, limits, alive_log_probs, finished_scores):
         """`policy.search_is_final` before decoding position `step` `(sentences,)`."""
         limits = ops.cast(limits, "float32")
-        return search_is_final(step, limits, alive_log_probs, finished_scores, self.alpha, ops)
+        return search_is_final(
+            step, limits, alive_log_probs, finished_scores, self.alpha, ops, self.early_stopping
+        )
 
     def _step(self, state):
         beam, step, limits = self.beam_size, state["step"], state["limits"]
