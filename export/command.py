@@ -29,6 +29,12 @@ def add_export_command(commands):
         help="output length limit = source length + this (default 50)",
     )
     export.add_argument(
+        "--early-stopping",
+        action="store_true",
+        help="saved_model, onnx: by default, end a sentence's beam search once it has --beam-size "
+        "finished hypotheses (CTranslate2's rule, which its own search always follows)",
+    )
+    export.add_argument(
         "--format",
         required=True,
         choices=["saved_model", "onnx", "ctranslate2"],
@@ -223,6 +229,7 @@ def _export(args):
             beam_size=args.beam_size,
             length_penalty=args.length_penalty,
             max_extra_length=args.max_extra_length,
+            early_stopping=args.early_stopping,
         )
         return _write_export(args, graphs, name, run, xla)
 

@@ -37,7 +37,8 @@ What it is (the search of `keras_transformer.decoding.search._BeamSearch`, the s
 - an empty source (`policy.empty_sources`) is not searched: EOS alone, score 0.
 
 Inputs: `source_ids` int32 `(batch, len_src)`; `length_penalty` float, `max_extra_length` and
-`min_length` int32 scalars, with the export's options as defaults (initializers). Outputs: the
+`min_length` int32 and `early_stopping` bool scalars, with the export's options as defaults
+(initializers). Outputs: the
 whole pools, best first: `nbest_ids` int32 `(batch, beam, max_len)`, `nbest_scores` and
 `nbest_log_probs` float `(batch, beam)` (a request's `num_return` is their first columns), and
 `target_ids` `(batch, max_len)`, `scores` `(batch,)`, the best of each.

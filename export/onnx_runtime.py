@@ -487,8 +487,8 @@ class LeanGraphSearch:
     @staticmethod
     def plain(options, target_prefix=None, suppress_sequences=None):
         """Whether a request is one `translate_lean.onnx` searches: every control off, no sampling,
-        no alignments (its length penalty, output limit, minimum length and `num_return` may be
-        any)."""
+        no alignments (its length penalty, output limit, minimum length, early stopping and
+        `num_return` may be any)."""
         off = CONTROLS_OFF
         return (
             not options.sampling

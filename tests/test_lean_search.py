@@ -11,7 +11,7 @@ import numpy as np
 import onnx
 import onnxruntime
 import pytest
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from keras_transformer.decoding import policy
 from keras_transformer_export.lean_search import OnnxOps, Tensor, step_body, write_lean_graph
@@ -186,6 +186,31 @@ def test_the_graph_is_rebuilt_identically_from_an_export_directory(onnx_dir, tmp
     rebuilt = (copy / "translate_lean.onnx").read_bytes()
     assert rebuilt == Path(onnx_dir, "translate_lean.onnx").read_bytes()
     make_session(str(copy / "translate_lean.onnx"))  # ONNX Runtime loads it
+
+
+def test_the_exports_options_are_the_graphs_defaults(onnx_dir, batch, tmp_path):
+    """`export --early-stopping` (an option in `export.json`) is what a request without it gets; an
+    export made before the option existed gets the option's default."""
+    import json
+
+    for early in (True, None):
+        copy = tmp_path / f"copy-{early}"
+        shutil.copytree(onnx_dir, copy)
+        metadata = json.loads((copy / "export.json").read_text())
+        if early is None:
+            del metadata["decoding"]["early_stopping"]
+        else:
+            metadata["decoding"]["early_stopping"] = early
+        (copy / "export.json").write_text(json.dumps(metadata))
+        write_lean_graph(str(copy))
+        graph = onnx.load(str(copy / "translate_lean.onnx")).graph
+        default = next(i for i in graph.initializer if i.name == "early_stopping")
+        assert bool(numpy_helper.to_array(default)) == bool(early)
+        session = make_session(str(copy / "translate_lean.onnx"))
+        names = [o.name for o in session.get_outputs()]
+        alone = dict(zip(names, session.run(None, {"source_ids": batch})))
+        asked = LeanGraphSearch(onnx_dir).search(batch, DecodingOptions(early_stopping=bool(early)))
+        np.testing.assert_array_equal(alone["target_ids"], asked.ids[:, 0])
 
 
 def test_an_export_without_the_lean_graph_says_what_to_do(onnx_dir, tmp_path):
