@@ -491,41 +491,32 @@ def serving_load_rows(paths, sources, args):
     import subprocess
     import sys
 
-    from serving_load import make_requests, run_load
-
-    from keras_transformer_export.tf_serving import ServingSession, read_warmup_requests
+    from serving_load import make_requests
 
     requests = make_requests(sources, args.load, seed=0)
-    session = ServingSession(paths["saved_model"], intra_op_threads=args.threads)
-
-    def saved_model(texts):
-        out = session.run("serving_default", text=np.array(texts, dtype=object))["translation"]
-        return [t.decode("utf-8") for t in out]
-
-    def saved_model_xla(texts):
-        out = session.run("translate_xla", text=np.array(texts, dtype=object))["translation"]
-        return [t.decode("utf-8") for t in out]
-
-    rows = {}
-    rows["saved_model (session path)"] = run_load(saved_model, requests, LOAD_THREADS)
-    print("  load: saved_model", flush=True)
-    for request in read_warmup_requests(paths["saved_model"]):  # as TF Serving does at load
-        session.predict(request)
-    rows["saved_model_xla (session path, XLA on)"] = run_load(saved_model_xla, requests, LOAD_THREADS)
-    print("  load: saved_model_xla", flush=True)
-    session.close()
-    # ONNX Runtime in processes without TensorFlow, as the runtime install serves it (`Worker`).
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "serving_load.py")
-    for name, flag in (("onnx_full", "--onnx"), ("onnx_text", "--onnx-text")):
+
+    def run_worker(flag, path):
         completed = subprocess.run(
-            [sys.executable, worker, flag, paths["onnx"], "--threads", str(LOAD_THREADS)]
+            [sys.executable, worker, flag, path, "--threads", str(LOAD_THREADS)]
             + ["--runtime-threads", str(args.threads), "--batch-size", str(BATCH)],
             input=json.dumps(requests),
             capture_output=True,
             text=True,
             check=True,
         )
-        rows[name] = json.loads(completed.stdout)
+        return json.loads(completed.stdout)
+
+    # Each runtime in a process of its own, as a server runs one model: the SavedModel through TF
+    # Serving's session path (in this benchmark's own process, beside its Keras graphs and the XLA
+    # programs it had compiled, translate_xla's compiles failed under load with LLVM's "Cannot
+    # allocate memory" and the process crashed, at 6176f62 on the 2-core EPYC, with 21 GB free:
+    # likely its memory maps, vm.max_map_count 65530), ONNX Runtime without TensorFlow, as the
+    # runtime install serves it.
+    rows = dict(run_worker("--saved-model", paths["saved_model"]))
+    print("  load: saved_model, saved_model_xla", flush=True)
+    for name, flag in (("onnx_full", "--onnx"), ("onnx_text", "--onnx-text")):
+        rows[name] = run_worker(flag, paths["onnx"])
         print(f"  load: {name}", flush=True)
     return rows
 

@@ -4,13 +4,16 @@ lengths and batch sizes one after another (closed loop), as a server's handler t
 `run_load(translate, requests, threads)` first sends every request alone (the reference
 outputs and the single-stream speed), then all of them from `threads` threads at once, and
 reports errors, how many responses equal the same request's response alone, latency
-percentiles and throughput. `scripts/bench_serving.py --load N` calls it for the SavedModel
-(TF Serving's session path), and runs this file as a worker process for `translate.onnx`
-(`--onnx`, `OnnxTranslator`) and `translate_text.onnx` (`--onnx-text`): ONNX Runtime served
-from a process without TensorFlow, as the runtime install serves it (the text graph needs one):
+percentiles and throughput. `scripts/bench_serving.py --load N` runs this file as a worker
+process for each runtime, as a server runs one model: the SavedModel through TF Serving's
+session path (`--saved-model VERSION_DIR`: `serving_default`, then `translate_xla` after the
+version's warmup records, as TF Serving replays them at load, in the same session),
+`translate.onnx` (`--onnx`, `OnnxTranslator`) and `translate_text.onnx` (`--onnx-text`): ONNX
+Runtime from a process without TensorFlow, as the runtime install serves it (the text graph
+needs one). The output is a JSON object: the report, or (`--saved-model`) a report per signature.
 
-    python scripts/serving_load.py (--onnx | --onnx-text) EXPORT_DIR [--threads 8] \
-        [--runtime-threads 2] < requests.json
+    python scripts/serving_load.py (--saved-model VERSION_DIR | --onnx EXPORT_DIR |
+        --onnx-text EXPORT_DIR) [--threads 8] [--runtime-threads 2] < requests.json
 """
 
 import argparse
@@ -68,12 +71,17 @@ def main():
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     graphs = parser.add_mutually_exclusive_group(required=True)
+    graphs.add_argument("--saved-model", metavar="VERSION_DIR", help="serving_default, then translate_xla")
     graphs.add_argument("--onnx", metavar="EXPORT_DIR", help="translate.onnx through OnnxTranslator")
     graphs.add_argument("--onnx-text", metavar="EXPORT_DIR", help="translate_text.onnx")
     parser.add_argument("--threads", type=int, default=8, help="client threads")
-    parser.add_argument("--runtime-threads", type=int, default=2, help="ONNX Runtime intra-op threads")
+    parser.add_argument("--runtime-threads", type=int, default=2, help="the runtime's intra-op threads")
     parser.add_argument("--batch-size", type=int, default=32, help="--onnx: sentences per graph call")
     args = parser.parse_args()
+    requests = json.load(sys.stdin)
+    if args.saved_model:
+        json.dump(_saved_model_rows(args.saved_model, requests, args), sys.stdout)
+        return
     from keras_transformer_export.onnx_runtime import OnnxTranslator, TextGraph
 
     if args.onnx:
@@ -82,8 +90,35 @@ def main():
     else:
         graph = TextGraph(args.onnx_text, args.runtime_threads)
         translate = lambda texts: graph(texts)[0]  # noqa: E731
-    requests = json.load(sys.stdin)
     json.dump(run_load(translate, requests, args.threads), sys.stdout)
+
+
+def _saved_model_rows(version_dir, requests, args):
+    """`serving_default`'s report, then `translate_xla`'s (where the version has it) after its
+    warmup records, in one `ServingSession` (TF Serving's session path)."""
+    import os
+
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from keras_transformer_export.tf_serving import ServingSession, read_warmup_requests
+
+    session = ServingSession(version_dir, intra_op_threads=args.runtime_threads)
+
+    def signature(name):
+        def translate(texts):
+            out = session.run(name, text=np.array(texts, dtype=object))["translation"]
+            return [t.decode("utf-8") for t in out]
+
+        return translate
+
+    rows = {"saved_model (session path)": run_load(signature("serving_default"), requests, args.threads)}
+    if "translate_xla" in session.signatures:
+        for request in read_warmup_requests(version_dir):  # as TF Serving does at load
+            session.predict(request)
+        rows["saved_model_xla (session path, XLA on)"] = run_load(
+            signature("translate_xla"), requests, args.threads
+        )
+    session.close()
+    return rows
 
 
 if __name__ == "__main__":
