@@ -20,6 +20,19 @@ def _strip(ids, eos_id=3):
     return out
 
 
+def _count_decoder_rows(model, monkeypatch):
+    """A list that gets the rows of every decoding step of `model` from now on."""
+    rows = []
+    decode_step = type(model).decode_step
+
+    def counting(self, token_ids, *args, **kwargs):
+        rows.append(int(token_ids.shape[0]))
+        return decode_step(self, token_ids, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "decode_step", counting)
+    return rows
+
+
 def _unseen_sources(count=200, seed=7):
     inputs, _ = kt.sequence_task("reverse", count, 20, max_length=10, seed=seed)
     return inputs["source_ids"]
@@ -124,14 +137,7 @@ def test_early_stopping_ends_each_search_when_its_pool_fills(reverse_model, monk
     a superset of the candidates and scores at least as well at every rank."""
     model = reverse_model.model
     sources = _unseen_sources(16, seed=43)
-    rows = []
-    decode_step = type(model).decode_step
-
-    def counting(self, token_ids, *args, **kwargs):
-        rows.append(int(token_ids.shape[0]))
-        return decode_step(self, token_ids, *args, **kwargs)
-
-    monkeypatch.setattr(type(model), "decode_step", counting)
+    rows = _count_decoder_rows(model, monkeypatch)
     found = {}
     for early in (False, True):
         rows.clear()
@@ -292,14 +298,7 @@ def test_finished_sentences_leave_the_batch(reverse_model, monkeypatch):
     sources = _unseen_sources(6, seed=41)
     sources[0, 2:] = 0  # a short sentence finishes early
     sources[0, 1] = 3
-    rows = []
-    decode_step = type(model).decode_step
-
-    def counting(self, token_ids, *args, **kwargs):
-        rows.append(int(token_ids.shape[0]))
-        return decode_step(self, token_ids, *args, **kwargs)
-
-    monkeypatch.setattr(type(model), "decode_step", counting)
+    rows = _count_decoder_rows(model, monkeypatch)
     growing = kt.beam_search(model, sources, beam_size=2, cache_policy="growing")
     steps_growing, rows_growing = len(rows), list(rows)
     rows.clear()
