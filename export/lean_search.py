@@ -248,16 +248,18 @@ class OnnxOps:
     def minimum(self, a, b):
         if _is_constant(a) and _is_constant(b):
             return np.minimum(a, b)
-        if _innermost(a, b) is not self:  # operands of enclosing graphs only: computed there
-            return _innermost(a, b).minimum(a, b)
+        owner = _innermost(a, b)
+        if owner is not self:  # operands of enclosing graphs only: computed there
+            return owner.minimum(a, b)
         a, b = self._pair(a, b)
         return self.node("Min", [a, b], a.dtype, max(a.rank, b.rank))
 
     def where(self, condition, a, b):
         if all(_is_constant(x) for x in (condition, a, b)):
             return np.where(condition, a, b)
-        if _innermost(condition, a, b) is not self:  # as `minimum`
-            return _innermost(condition, a, b).where(condition, a, b)
+        owner = _innermost(condition, a, b)
+        if owner is not self:  # as `minimum`
+            return owner.where(condition, a, b)
         if _is_constant(a) and _is_constant(b):  # their common dtype
             dtype = np.result_type(np.asarray(a), np.asarray(b))
             a, b = self.const(a, dtype), self.const(b, dtype)

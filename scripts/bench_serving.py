@@ -100,7 +100,7 @@ BATCH = 32
 SETTLE_SECONDS = 0.05
 EXACT = (
     "keras (fixed cache)", "saved_model", "onnx_full (before)", "onnx_full", "onnx_split", "onnx_lean",
-    "onnx_lean (early stopping)",
+    "onnx_lean (early stopping)",  # `EARLY_ROWS` below
 )  # fmt: skip
 # Compiled by XLA or fused kernels, other rounding: a near-tie may flip. Its identical count is reported, and the
 # sentences where it differs from Keras are listed in the JSON (`differences`).
@@ -646,9 +646,8 @@ def main():
         xla_buckets = sizes.pop("xla_buckets")
         load = serving_load_rows(paths, sources, args) if args.load else {}
 
-    identical = {
-        name: sum(a == b for a, b in zip(texts[reference_row(name)], t)) for name, t in texts.items()
-    }
+    references = {name: texts[reference_row(name)] for name in texts}  # each row's Keras texts
+    identical = {name: sum(a == b for a, b in zip(references[name], t)) for name, t in texts.items()}
     exact_failures = [name for name in EXACT if identical[name] != len(sources)]
     if exact_failures:
         raise SystemExit(
@@ -668,9 +667,9 @@ def main():
             **(
                 {
                     "differences": [
-                        {"index": i, "source": sources[i], "keras": texts[reference_row(name)][i], name: t}
+                        {"index": i, "source": sources[i], "keras": references[name][i], name: t}
                         for i, t in enumerate(texts[name])
-                        if t != texts[reference_row(name)][i]
+                        if t != references[name][i]
                     ]
                 }
                 if name in REPORTED

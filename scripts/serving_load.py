@@ -96,9 +96,9 @@ def main():
 def _saved_model_rows(version_dir, requests, args):
     """`serving_default`'s report, then `translate_xla`'s (where the version has it) after its
     warmup records, in one `ServingSession` (TF Serving's session path)."""
-    import os
+    import harness
 
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    harness.tensorflow()  # without its C++ start-up lines
     from keras_transformer_export.tf_serving import ServingSession, read_warmup_requests
 
     session = ServingSession(version_dir, intra_op_threads=args.runtime_threads)
